@@ -1,0 +1,206 @@
+"""Typed run configuration: dataclasses with one docstring line per field, a TOML file plus flags.
+
+``add_config_args`` turns the fields into ``--flag`` options (help text = the field's docstring);
+``load_toml`` reads a file whose keys must be field names; ``validate`` raises ConfigError with one
+line naming the field, the value and what is allowed. The CLI is the only caller (ARCHITECTURE.md:
+``cli`` is the only place that reads config files and flags).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import inspect
+import os
+import textwrap
+import tomllib
+import typing
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any, Literal
+
+
+class ConfigError(ValueError):
+    """A configuration value that cannot be used; one line naming field, value and what is allowed."""
+
+
+@dataclass
+class TrainConfig:
+    """Everything `polyrl train` needs; the method's maths is chosen by `method` plus part overrides."""
+
+    method: str = "grpo"
+    """preset name (see `polyrl methods`)"""
+    task: str = "addition"
+    """task name: addition, countdown, math (needs --data-file)"""
+    data_file: str | None = None
+    """JSONL or Parquet file with prompt/answer columns for the math task"""
+    model: str | None = None
+    """local Hugging Face model directory; default: the cached warm start for the task"""
+    run_dir: str | None = None
+    """where metrics, checkpoints and plots go; default runs/<method>-<task>-s<seed>"""
+    steps: int = 150
+    """number of RL steps (one rollout batch each)"""
+    prompts_per_step: int = 8
+    """prompts sampled per step"""
+    group_size: int = 8
+    """completions per prompt (G)"""
+    max_new_tokens: int = 8
+    """generation cap per completion (L_max)"""
+    temperature: float = 1.0
+    """sampling temperature, applied identically when log-probs are recomputed"""
+    top_p: float = 1.0
+    """nucleus sampling threshold in (0, 1]"""
+    top_k: int = 0
+    """top-k sampling (0 = off)"""
+    lr: float = 1e-4
+    """AdamW learning rate"""
+    warmup_steps: int = 5
+    """linear learning-rate warm-up steps"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+    max_grad_norm: float = 1.0
+    """gradient clipping by global norm (0 = off)"""
+    epochs_per_batch: int = 1
+    """optimizer passes over each rollout batch (stale data for K > 1)"""
+    minibatches: int = 1
+    """optimizer steps per epoch (the batch is split into this many minibatches)"""
+    micro_batch_size: int = 64
+    """sequences per forward/backward pass (gradient accumulation inside a minibatch)"""
+    critic_lr: float = 1e-4
+    """learning rate of the critic (GAE presets only)"""
+    value_clip: float = 0.5
+    """critic value clipping range eps_v (GAE presets only)"""
+    max_gen_rounds: int = 4
+    """dynamic sampling: generation rounds per step at most when filters drop groups"""
+    eval_every: int = 25
+    """held-out greedy evaluation every N steps (0 = only before and after)"""
+    eval_prompts: int = 200
+    """held-out prompts per evaluation"""
+    checkpoint_every: int = 50
+    """save an atomic checkpoint every N steps (0 = only at the end)"""
+    resume: bool = False
+    """continue from the newest checkpoint in run_dir"""
+    seed: int = 0
+    """seed for sampling, data order and initialisation"""
+    threads: int = 0
+    """torch CPU threads (0 = all cores)"""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """model dtype"""
+    fp32_lm_head: bool = False
+    """compute the LM head in float32 (ScaleRL)"""
+    max_bad_steps: int = 5
+    """stop after this many consecutive steps with a non-finite loss"""
+    log_every: int = 10
+    """print the compact console table every N steps"""
+    tensorboard: bool = True
+    """write TensorBoard event files to run_dir/tb"""
+    wandb: bool = False
+    """also log to Weights & Biases (offline mode)"""
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """Attribute docstrings (the string literal under each field), read from the class source."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs: dict[str, str] = {}
+    for a, b in zip(body, body[1:]):
+        if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant):
+            docs[a.target.id] = str(b.value.value).strip()  # type: ignore[attr-defined]
+    return docs
+
+
+def _base_type(tp: Any) -> Any:
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    return args[0] if typing.get_origin(tp) is not Literal and args else tp
+
+
+def add_config_args(parser: argparse.ArgumentParser, cls: type = TrainConfig) -> None:
+    """Add one ``--field-name`` option per field; defaults are None so that TOML values can sit beneath."""
+    hints = typing.get_type_hints(cls)
+    docs = field_docs(cls)
+    for f in fields(cls):
+        tp = hints[f.name]
+        flag = "--" + f.name.replace("_", "-")
+        help_ = f"{docs.get(f.name, '')} (default: {f.default})"
+        if tp is bool:
+            parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=help_)
+        elif typing.get_origin(tp) is Literal:
+            parser.add_argument(flag, dest=f.name, choices=typing.get_args(tp), default=None, help=help_)
+        else:
+            parser.add_argument(flag, dest=f.name, type=_base_type(tp), default=None, help=help_)
+
+
+def load_toml(path: str | os.PathLike, cls: type = TrainConfig) -> dict[str, Any]:
+    """Read a TOML config; keys are field names (dashes allowed), unknown keys are an error."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file {str(p)!r} does not exist")
+    try:
+        data = tomllib.loads(p.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config file {str(p)!r} is not valid TOML: {e}") from None
+    known = {f.name for f in fields(cls)}
+    out = {}
+    for key, value in data.items():
+        name = key.replace("-", "_")
+        if name not in known and not isinstance(value, dict):
+            raise ConfigError(f"config file {str(p)!r}: unknown field {key!r}; allowed: {', '.join(sorted(known))}")
+        out[name] = value
+    return out
+
+
+def build_config(values: dict[str, Any], cls: type = TrainConfig) -> Any:
+    """Instantiate ``cls`` from values (TOML merged with flags), checking types."""
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for f in fields(cls):
+        if f.name not in values or values[f.name] is None:
+            continue
+        value, tp = values[f.name], hints[f.name]
+        base = _base_type(tp)
+        ok = (
+            value in typing.get_args(tp) if typing.get_origin(tp) is Literal
+            else isinstance(value, bool) if base is bool
+            else isinstance(value, (int, float)) and not isinstance(value, bool) if base is float
+            else isinstance(value, int) and not isinstance(value, bool) if base is int
+            else isinstance(value, base)
+        )
+        if not ok:
+            raise ConfigError(f"{f.name} = {value!r} must be {getattr(base, '__name__', base)}")
+        kwargs[f.name] = float(value) if base is float else value
+    return cls(**kwargs)
+
+
+def _rule(name: str, value: Any, ok: bool, allowed: str) -> None:
+    if not ok:
+        raise ConfigError(f"{name} = {value!r} is not allowed; {allowed}")
+
+
+def validate(cfg: TrainConfig) -> None:
+    """Check value ranges and combinations that do not depend on loading anything."""
+    for name in ("steps", "prompts_per_step", "group_size", "max_new_tokens", "epochs_per_batch", "minibatches",
+                 "micro_batch_size", "eval_prompts", "max_gen_rounds", "max_bad_steps"):
+        v = getattr(cfg, name)
+        _rule(name, v, v >= 1, "must be an integer >= 1")
+    for name in ("warmup_steps", "eval_every", "checkpoint_every", "threads", "top_k", "log_every"):
+        v = getattr(cfg, name)
+        _rule(name, v, v >= 0, "must be an integer >= 0")
+    _rule("lr", cfg.lr, cfg.lr > 0, "must be > 0")
+    _rule("critic_lr", cfg.critic_lr, cfg.critic_lr > 0, "must be > 0")
+    _rule("weight_decay", cfg.weight_decay, cfg.weight_decay >= 0, "must be >= 0")
+    _rule("max_grad_norm", cfg.max_grad_norm, cfg.max_grad_norm >= 0, "must be >= 0 (0 = off)")
+    _rule("value_clip", cfg.value_clip, cfg.value_clip > 0, "must be > 0")
+    _rule("temperature", cfg.temperature, cfg.temperature > 0, "must be > 0")
+    _rule("top_p", cfg.top_p, 0 < cfg.top_p <= 1, "must be in (0, 1]")
+    batch = cfg.prompts_per_step * cfg.group_size
+    _rule("minibatches", cfg.minibatches, batch % cfg.minibatches == 0,
+          f"must divide prompts_per_step * group_size = {batch}")
+    if cfg.model is not None:
+        _rule("model", cfg.model, Path(cfg.model).is_dir(), "must be an existing local model directory")
+    if cfg.data_file is not None:
+        _rule("data_file", cfg.data_file, Path(cfg.data_file).is_file(), "must be an existing JSONL or Parquet file")
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)

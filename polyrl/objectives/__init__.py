@@ -1,0 +1,19 @@
+"""The composable maths: pure torch functions registered by kind, plus their composition.
+
+Importing this package registers every built-in part.
+"""
+
+from polyrl.objectives import (  # noqa: F401  (imported for registration)
+    advantages,
+    aggregation,
+    corrections,
+    divergence,
+    kl,
+    projection,
+    ratios,
+    token_advantages,
+    trust_regions,
+)
+from polyrl.objectives.objective import Method, build_method, kl_reward_penalty, override, policy_loss
+
+__all__ = ["Method", "build_method", "override", "policy_loss", "kl_reward_penalty"]

@@ -1,0 +1,80 @@
+"""KL estimators of KL(pi_theta || pi_ref) per sampled token (Schulman, "Approximating KL Divergence").
+
+Signature: ``fn(logp, ref_logp, old_logp, *, clamp) -> kl [B, T]``, with d = clamp(ref_logp - logp,
+-clamp, clamp) (verl clamps d to [-20, 20]). Gradient flows through ``logp`` only. Used as a LOSS term
+(added per token, to be minimised) or, evaluated at pi_old and detached, as a reward penalty.
+Expected gradients on samples from pi_theta (shared/spec/objectives-llm.md section 22):
+E[grad k1] = 0, E[grad k2] = grad KL(pi || ref), E[grad k3] = grad KL(ref || pi).
+Padded positions are not masked here; the composition's aggregation ignores them.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from polyrl.registry import KL
+
+
+def _d(logp: Tensor, ref_logp: Tensor, clamp: float) -> Tensor:
+    return (ref_logp.detach() - logp).clamp(-clamp, clamp)
+
+
+def _k2(d: Tensor) -> Tensor:
+    return 0.5 * d**2
+
+
+def _k3(d: Tensor) -> Tensor:
+    return torch.expm1(d) - d
+
+
+def _straight_through(value: Tensor, d: Tensor) -> Tensor:
+    """Value of ``value``, gradient of k2: sg(value) + k2 - sg(k2)."""
+    k2 = _k2(d)
+    return value.detach() + k2 - k2.detach()
+
+
+@KL.register("k1", paper="joschu.net/blog/kl-approx.html", ranges={"clamp": ">0"})
+def k1(logp: Tensor, ref_logp: Tensor, old_logp: Tensor | None, *, clamp: float = 20.0) -> Tensor:
+    """k1 = -d = logp - ref_logp: unbiased, can be negative; zero expected gradient as a loss."""
+    return -_d(logp, ref_logp, clamp)
+
+
+@KL.register("k2", paper="joschu.net/blog/kl-approx.html", ranges={"clamp": ">0"})
+def k2(logp: Tensor, ref_logp: Tensor, old_logp: Tensor | None, *, clamp: float = 20.0) -> Tensor:
+    """k2 = d^2 / 2: biased, >= 0; its expected gradient is grad KL(pi || ref)."""
+    return _k2(_d(logp, ref_logp, clamp))
+
+
+@KL.register("k3", paper="joschu.net/blog/kl-approx.html", ranges={"clamp": ">0"})
+def k3(logp: Tensor, ref_logp: Tensor, old_logp: Tensor | None, *, clamp: float = 20.0) -> Tensor:
+    """k3 = exp(d) - 1 - d ("low_var_kl", GRPO): unbiased value, >= 0; gradient of KL(ref || pi)."""
+    return _k3(_d(logp, ref_logp, clamp))
+
+
+@KL.register("k1_plus", paper="joschu.net/blog/kl-approx.html", ranges={"clamp": ">0"})
+def k1_plus(logp: Tensor, ref_logp: Tensor, old_logp: Tensor | None, *, clamp: float = 20.0) -> Tensor:
+    """Straight-through k1 (verl "k1+"): value of k1, gradient of k2 = sg(k1) + k2 - sg(k2)."""
+    d = _d(logp, ref_logp, clamp)
+    return _straight_through(-d, d)
+
+
+@KL.register("k3_plus", paper="joschu.net/blog/kl-approx.html", ranges={"clamp": ">0"})
+def k3_plus(logp: Tensor, ref_logp: Tensor, old_logp: Tensor | None, *, clamp: float = 20.0) -> Tensor:
+    """Straight-through k3 (verl "k3+"): value of k3, gradient of k2 (unbiased reverse-KL gradient)."""
+    d = _d(logp, ref_logp, clamp)
+    return _straight_through(_k3(d), d)
+
+
+@KL.register("k3_unbiased", paper="arXiv:2512.02556", ranges={"clamp": ">0"})
+def k3_unbiased(logp: Tensor, ref_logp: Tensor, old_logp: Tensor | None, *, clamp: float = 20.0) -> Tensor:
+    """Importance-corrected k3 (DeepSeek-V3.2): sg(pi_theta / pi_old) * k3, unbiased on samples from pi_old.
+
+    E_{y ~ pi_old}[sg(pi/pi_old) k3] = KL(pi || ref); the log-ratio logp - old_logp is clamped like d.
+    """
+    if old_logp is None:
+        raise ValueError(
+            "kl 'k3_unbiased' needs old_logp [B, T] (log pi_old of the sampled tokens); got None"
+        )
+    w = (logp.detach() - old_logp.detach()).clamp(-clamp, clamp).exp()
+    return w * _k3(_d(logp, ref_logp, clamp))

@@ -1,0 +1,245 @@
+"""A method is data; ``policy_loss`` is the only place where its parts are composed.
+
+``Method`` names one part of each kind with resolved parameters. ``build_method`` validates every
+part against its registry when the method is built, so a misspelled or out-of-range setting fails
+before any model is loaded. ``policy_loss`` calls ratio -> trust region -> corrections -> KL ->
+aggregation and contains no branch on a part's name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, Literal
+
+import torch
+from torch import Tensor
+
+from polyrl.registry import (
+    ADVANTAGES,
+    AGGREGATIONS,
+    CORRECTIONS,
+    FILTERS,
+    KL,
+    RATIOS,
+    SHAPERS,
+    TRUST_REGIONS,
+    Part,
+    PartError,
+    Registry,
+    parse_part,
+)
+from polyrl.types import LossInputs, LossOutput
+
+PartLike = str | tuple[str, Mapping[str, Any]] | Part
+Anchor = Literal["old", "rollout"]
+KLPlacement = Literal["loss", "reward"]
+
+
+@dataclass(frozen=True)
+class Method:
+    """One RL objective: a part of each kind plus a few composition settings."""
+
+    name: str
+    advantage: Part
+    ratio: Part
+    trust_region: Part
+    aggregation: Part
+    corrections: tuple[Part, ...] = ()
+    kl: Part | None = None  # KL estimator; None = no KL term
+    kl_coef: float = 0.0  # beta multiplying the KL estimator
+    kl_placement: KLPlacement = "loss"  # "loss": added per token to the loss; "reward": subtracted from token rewards
+    shapers: tuple[Part, ...] = ()  # reward shapers, applied in order after scoring
+    filters: tuple[Part, ...] = ()  # group/sample filters (dynamic sampling lives in rollout.collect)
+    anchor: Anchor = "old"  # ratio denominator: recomputed pi_old, or the rollout engine's mu (DPPO family)
+    ref_sync_every: int = 0  # Humanline: copy the policy into the reference every k steps (0 = never)
+    paper: str = ""
+    summary: str = ""
+
+    @property
+    def needs_values(self) -> bool:
+        """True when the advantage estimator needs a critic's values (GAE presets)."""
+        return "needs_values" in ADVANTAGES.spec(self.advantage.name).tags
+
+    @property
+    def needs_ref(self) -> bool:
+        return self.kl is not None and self.kl_coef > 0 or self.ref_sync_every > 0
+
+    def parts(self) -> dict[str, Any]:
+        """Plain description of every part (for `polyrl explain`, docs and JSON)."""
+        return {
+            "advantage": str(self.advantage),
+            "ratio": str(self.ratio),
+            "trust_region": str(self.trust_region),
+            "aggregation": str(self.aggregation),
+            "corrections": [str(c) for c in self.corrections],
+            "kl": f"{self.kl} x {self.kl_coef:g} in {self.kl_placement}" if self.kl and self.kl_coef > 0 else "none",
+            "shapers": [str(s) for s in self.shapers],
+            "filters": [str(f) for f in self.filters],
+            "anchor": self.anchor,
+            "ref_sync_every": self.ref_sync_every,
+        }
+
+
+def _resolve(registry: Registry, spec: PartLike, base: Part | None = None) -> Part:
+    """Turn a name, a ``name:k=v`` string, a (name, params) pair or a Part into a validated Part.
+
+    When ``base`` has the same name, its parameters are kept and the new ones override them
+    (``--trust-region clip:eps_high=0.3`` on DAPO keeps eps_low=0.2).
+    """
+    if isinstance(spec, Part):
+        if spec.kind != registry.kind:
+            raise PartError(f"a {spec.kind} part ({spec.name!r}) was given where a {registry.kind} is expected")
+        name, params = spec.name, dict(spec.params)
+    elif isinstance(spec, str):
+        name, params = parse_part(spec)
+    else:
+        name, params = spec[0], dict(spec[1])
+    if base is not None and base.name == name:
+        params = {**base.params, **params}
+    return registry.resolve(name, params)
+
+
+def build_method(
+    name: str,
+    *,
+    advantage: PartLike,
+    trust_region: PartLike,
+    aggregation: PartLike,
+    ratio: PartLike = "token",
+    corrections: Sequence[PartLike] = (),
+    kl: PartLike | None = None,
+    kl_coef: float = 0.0,
+    kl_placement: KLPlacement = "loss",
+    shapers: Sequence[PartLike] = (),
+    filters: Sequence[PartLike] = (),
+    anchor: Anchor = "old",
+    ref_sync_every: int = 0,
+    paper: str = "",
+    summary: str = "",
+) -> Method:
+    """Validate every part and return the Method (raises PartError with a one-line message)."""
+    if not isinstance(kl_coef, (int, float)) or isinstance(kl_coef, bool) or kl_coef < 0:
+        raise PartError(f"method {name!r}: kl_coef = {kl_coef!r} must be a number >= 0")
+    if kl_placement not in ("loss", "reward"):
+        raise PartError(f"method {name!r}: kl_placement = {kl_placement!r}; allowed: 'loss', 'reward'")
+    if anchor not in ("old", "rollout"):
+        raise PartError(f"method {name!r}: anchor = {anchor!r}; allowed: 'old', 'rollout'")
+    if not isinstance(ref_sync_every, int) or ref_sync_every < 0:
+        raise PartError(f"method {name!r}: ref_sync_every = {ref_sync_every!r} must be an integer >= 0")
+    if kl_coef > 0 and kl is None:
+        raise PartError(f"method {name!r}: kl_coef = {kl_coef} needs a KL estimator (kl=k1|k2|k3|...)")
+    return Method(
+        name=name,
+        advantage=_resolve(ADVANTAGES, advantage),
+        ratio=_resolve(RATIOS, ratio),
+        trust_region=_resolve(TRUST_REGIONS, trust_region),
+        aggregation=_resolve(AGGREGATIONS, aggregation),
+        corrections=tuple(_resolve(CORRECTIONS, c) for c in corrections),
+        kl=None if kl is None else _resolve(KL, kl),
+        kl_coef=float(kl_coef),
+        kl_placement=kl_placement,
+        shapers=tuple(_resolve(SHAPERS, s) for s in shapers),
+        filters=tuple(_resolve(FILTERS, f) for f in filters),
+        anchor=anchor,
+        ref_sync_every=ref_sync_every,
+        paper=paper,
+        summary=summary,
+    )
+
+
+def override(method: Method, **changes: Any) -> Method:
+    """Return ``method`` with parts replaced (e.g. ``trust_region="dppo_tv:delta=0.1"``), re-validated.
+
+    Part-valued fields accept the same forms as ``build_method``; a part with the same name as the
+    preset's keeps the preset's parameters unless overridden. Lists (corrections, shapers, filters)
+    replace the preset's list.
+    """
+    single = {"advantage": ADVANTAGES, "ratio": RATIOS, "trust_region": TRUST_REGIONS, "aggregation": AGGREGATIONS}
+    many = {"corrections": CORRECTIONS, "shapers": SHAPERS, "filters": FILTERS}
+    out: dict[str, Any] = {}
+    for key, value in changes.items():
+        if key in single:
+            out[key] = _resolve(single[key], value, getattr(method, key))
+        elif key in many:
+            out[key] = tuple(_resolve(many[key], v) for v in value)
+        elif key == "kl":
+            out[key] = None if value in (None, "none") else _resolve(KL, value, method.kl)
+        elif key in ("kl_coef", "kl_placement", "anchor", "ref_sync_every", "name"):
+            out[key] = value
+        else:
+            raise PartError(f"cannot override {key!r}; allowed: {', '.join([*single, *many, 'kl', 'kl_coef'])}")
+    new = replace(method, **out)
+    # Re-run the method-level checks on the combined result.
+    return build_method(
+        new.name,
+        advantage=new.advantage,
+        ratio=new.ratio,
+        trust_region=new.trust_region,
+        aggregation=new.aggregation,
+        corrections=new.corrections,
+        kl=new.kl,
+        kl_coef=new.kl_coef,
+        kl_placement=new.kl_placement,
+        shapers=new.shapers,
+        filters=new.filters,
+        anchor=new.anchor,
+        ref_sync_every=new.ref_sync_every,
+        paper=new.paper,
+        summary=new.summary,
+    )
+
+
+def _call(registry: Registry, part: Part, *args: Any) -> Any:
+    return registry.fn(part.name)(*args, **part.params)
+
+
+def masked_mean(x: Tensor, mask: Tensor) -> Tensor:
+    """Detached mean of ``x`` over ``mask`` (for metrics)."""
+    x = torch.where(mask > 0, x.detach(), torch.zeros_like(x, dtype=x.dtype))
+    return x.sum() / mask.sum().clamp_min(1.0)
+
+
+def policy_loss(inp: LossInputs, method: Method) -> LossOutput:
+    """Compose the method's parts into this micro-batch's loss (to be minimised) and metrics."""
+    anchor_logp = inp.rollout_logp if method.anchor == "rollout" else inp.old_logp
+    log_ratio = _call(RATIOS, method.ratio, inp.logp, anchor_logp, inp.mask, inp.segment_ids, inp.turn_ids)
+    per_token, tr_metrics = _call(TRUST_REGIONS, method.trust_region, inp, log_ratio)
+    metrics: dict[str, Tensor] = {f"objective/{k}": v.detach() for k, v in tr_metrics.items()}
+
+    for corr in method.corrections:
+        weight = _call(CORRECTIONS, corr, inp.old_logp, inp.rollout_logp, inp.mask, inp.adv).detach()
+        per_token = per_token * weight
+        metrics[f"correction/{corr.name}_weight"] = masked_mean(weight, inp.mask)
+
+    if method.kl is not None and method.kl_coef > 0 and method.kl_placement == "loss":
+        if inp.ref_logp is None:
+            raise ValueError(f"method {method.name!r} puts a KL term in the loss but LossInputs.ref_logp is None")
+        kl = _call(KL, method.kl, inp.logp, inp.ref_logp, inp.old_logp)
+        per_token = per_token + method.kl_coef * kl
+        metrics["objective/kl"] = masked_mean(kl, inp.mask)
+
+    loss = _call(AGGREGATIONS, method.aggregation, per_token, inp.mask, inp.normalizer, inp.group_tokens)
+    with torch.no_grad():
+        lr = (inp.logp - inp.old_logp).clamp(-20, 20)
+        metrics["objective/ratio_mean"] = masked_mean(lr.exp(), inp.mask)
+        metrics["objective/approx_kl"] = masked_mean(lr.exp() - 1 - lr, inp.mask)  # k3 of pi_old vs pi_theta
+        if inp.entropy is not None:
+            metrics["objective/entropy"] = masked_mean(inp.entropy, inp.mask)
+    return LossOutput(loss=loss, per_token_loss=per_token, metrics=metrics)
+
+
+def kl_reward_penalty(method: Method, old_logp: Tensor, ref_logp: Tensor, mask: Tensor) -> Tensor:
+    """Per-token reward penalty kl_coef * KL(old, ref), detached [B, T] (zeros unless placement is reward).
+
+    PPO-RLHF, REINFORCE++ and RLOO put k1 of the sampling policy against the reference into the
+    reward; the trainer subtracts this from the token rewards before computing advantages.
+    """
+    if method.kl is None or method.kl_coef == 0 or method.kl_placement != "reward":
+        return torch.zeros_like(old_logp)
+    with torch.no_grad():
+        kl = _call(KL, method.kl, old_logp, ref_logp, old_logp)
+    return method.kl_coef * kl * mask
+
+
+__all__ = ["Method", "build_method", "override", "policy_loss", "kl_reward_penalty", "masked_mean"]

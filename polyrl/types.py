@@ -1,0 +1,110 @@
+"""Plain data types shared by every layer.
+
+Shapes: ``B`` = sequences (completions), ``T`` = completion tokens (right-padded), ``K`` = top-K
+support size, ``C`` = reward channels. ``mask`` is a float tensor of 0/1 marking the tokens that
+count for the loss.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class Normalizer:
+    """Global denominators for loss aggregation, computed once per optimizer step.
+
+    Every aggregation divides a micro-batch's *sum* by these numbers, so that splitting the step's
+    batch into micro-batches (or across data-parallel ranks) and summing the pieces gives exactly
+    the loss and gradient of the whole batch.
+
+    Convention: the counts come from the response mask *before* any trust-region mask or
+    rejection-style correction, so a token dropped by DPPO, IcePop or MIS leaves the numerator but
+    keeps its place in the denominator (slime's convention; verl removes it from both).
+    """
+
+    num_tokens: float  # loss tokens in the whole step batch
+    num_seqs: float  # sequences with at least one loss token
+    num_prompts: float  # distinct groups (prompts) with at least one loss token
+    horizon: float  # constant length L for seq_mean_token_sum_norm (Dr. GRPO); max generation length
+
+    @staticmethod
+    def from_batch(mask: Tensor, group_ids: Tensor, horizon: float | None = None) -> Normalizer:
+        """Build the step's normalizer from the full (not micro-batched) mask [B, T] and group ids [B]."""
+        tokens_per_seq = mask.sum(dim=-1)  # [B]
+        has_tokens = tokens_per_seq > 0
+        return Normalizer(
+            num_tokens=float(tokens_per_seq.sum().clamp_min(1.0)),
+            num_seqs=float(has_tokens.sum().clamp_min(1)),
+            num_prompts=float(max(1, torch.unique(group_ids[has_tokens]).numel())),
+            horizon=float(horizon if horizon is not None else mask.shape[-1]),
+        )
+
+
+def group_token_counts(mask: Tensor, group_ids: Tensor) -> Tensor:
+    """Total loss tokens of each sequence's group, per sequence [B] (for prompt_mean aggregation).
+
+    Compute it on the full step batch before splitting into micro-batches.
+    """
+    tokens_per_seq = mask.sum(dim=-1)  # [B]
+    _, inverse = torch.unique(group_ids, return_inverse=True)
+    totals = torch.zeros(int(inverse.max()) + 1 if inverse.numel() else 0, dtype=tokens_per_seq.dtype)
+    totals.index_add_(0, inverse, tokens_per_seq)
+    return totals[inverse]
+
+
+@dataclass
+class LossInputs:
+    """Everything any trust region, correction or KL estimator may need for one micro-batch.
+
+    Only ``logp`` carries gradient. Optional fields are ``None`` when the rollout did not produce
+    them; a part that needs a missing field raises a clear error.
+    """
+
+    logp: Tensor  # [B, T] log pi_theta of the sampled tokens (with grad)
+    old_logp: Tensor  # [B, T] log pi_old, recomputed by the trainer before the update (no grad)
+    adv: Tensor  # [B, T] advantages broadcast to tokens (no grad)
+    mask: Tensor  # [B, T] 1.0 for tokens that count for the loss
+    normalizer: Normalizer
+    rollout_logp: Tensor | None = None  # [B, T] log mu reported by the rollout engine (defaults to old_logp)
+    ref_logp: Tensor | None = None  # [B, T] log pi_ref of the frozen reference model
+    entropy: Tensor | None = None  # [B, T] entropy of pi_theta at each position (no grad needed)
+    group_ids: Tensor | None = None  # [B] prompt/group id of each sequence
+    group_tokens: Tensor | None = None  # [B] total loss tokens of the sequence's group (whole step)
+    segment_ids: Tensor | None = None  # [B, T] sub-sentence index of each token (SSPO)
+    turn_ids: Tensor | None = None  # [B, T] agent-turn index of each token (ST-PPO)
+    topk_ids: Tensor | None = None  # [B, T, K] token ids of the rollout policy's top-K support
+    topk_logp: Tensor | None = None  # [B, T, K] log pi_theta at topk_ids (with grad)
+    old_topk_logp: Tensor | None = None  # [B, T, K] log pi_old at topk_ids
+    rollout_topk_logp: Tensor | None = None  # [B, T, K] log mu at topk_ids
+
+    def __post_init__(self) -> None:
+        if self.rollout_logp is None:
+            self.rollout_logp = self.old_logp
+        if self.adv.dim() == 1:
+            self.adv = self.adv[:, None].expand_as(self.logp)
+
+    def rows(self, index: Tensor | slice) -> LossInputs:
+        """The same inputs restricted to some sequences (a micro-batch); the normalizer stays global."""
+        out = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            out[f.name] = value[index] if isinstance(value, Tensor) else value
+        return LossInputs(**out)
+
+    @property
+    def positions(self) -> Tensor:
+        """[B, T] zero-based index of each token among the loss tokens of its sequence."""
+        return (torch.cumsum(self.mask, dim=-1) - 1.0).clamp_min(0.0) * self.mask
+
+
+@dataclass
+class LossOutput:
+    """What ``policy_loss`` returns: a scalar to minimise, the per-token loss and detached metrics."""
+
+    loss: Tensor  # [] this micro-batch's share of the step loss (sum / global normalizer)
+    per_token_loss: Tensor  # [B, T] after corrections and KL, before aggregation
+    metrics: dict[str, Tensor] = field(default_factory=dict)  # 0-dim, detached

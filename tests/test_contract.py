@@ -1,0 +1,168 @@
+"""Contract tests generated over every registered part (ARCHITECTURE.md section 1).
+
+A part added with one decorator line is picked up here automatically.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import polyrl.methods  # noqa: F401  (registers every part)
+from polyrl.objectives import build_method, policy_loss
+from polyrl.registry import (
+    ADVANTAGES,
+    AGGREGATIONS,
+    CORRECTIONS,
+    FILTERS,
+    KL,
+    RATIOS,
+    SHAPERS,
+    TRUST_REGIONS,
+)
+from tests.helpers import make_inputs
+
+TR_NAMES = TRUST_REGIONS.names()
+
+
+def _method(tr: str, ratio: str = "token", agg: str = "token_mean"):
+    return build_method("contract", advantage="grpo", ratio=ratio, trust_region=tr, aggregation=agg)
+
+
+def _garbage(inp, seed: int = 1):
+    """Copy of ``inp`` with wild values at every masked (padding) position."""
+    g = torch.Generator().manual_seed(seed)
+    pad = inp.mask == 0
+    noise = lambda x, scale: torch.where(pad, torch.randn(x.shape, generator=g, dtype=x.dtype) * scale, x)  # noqa: E731
+    leaf = inp.topk_logp.detach().clone()
+    leaf[..., 0] = noise(leaf[..., 0], 7.0)
+    leaf.requires_grad_(True)
+    return dataclasses.replace(
+        inp,
+        logp=leaf[..., 0],
+        topk_logp=leaf,
+        old_logp=noise(inp.old_logp, 7.0),
+        rollout_logp=noise(inp.rollout_logp, 7.0),
+        ref_logp=noise(inp.ref_logp, 7.0),
+        adv=noise(inp.adv, 50.0),
+        entropy=noise(inp.entropy, 30.0).abs(),
+        segment_ids=torch.where(pad, torch.randint(0, 5, inp.mask.shape, generator=g), inp.segment_ids),
+        turn_ids=torch.where(pad, torch.randint(0, 5, inp.mask.shape, generator=g), inp.turn_ids),
+    )
+
+
+@pytest.mark.parametrize("name", TR_NAMES)
+def test_trust_region_shapes_metrics_and_masking(name):
+    inp = make_inputs(seed=3)
+    out = policy_loss(inp, _method(name))
+    assert out.per_token_loss.shape == inp.mask.shape
+    assert out.per_token_loss.dtype == torch.float64
+    assert out.loss.dim() == 0 and torch.isfinite(out.loss)
+    for key, value in out.metrics.items():
+        assert isinstance(value, torch.Tensor) and value.dim() == 0, key
+        assert not value.requires_grad, f"metric {key} carries gradient"
+    # Garbage at padded positions changes neither the loss nor the gradient of real tokens.
+    g1 = torch.autograd.grad(out.loss, inp.topk_logp, allow_unused=True)[0]
+    noisy = _garbage(inp)
+    out2 = policy_loss(noisy, _method(name))
+    torch.testing.assert_close(out2.loss, out.loss, rtol=1e-10, atol=1e-12)
+    g2 = torch.autograd.grad(out2.loss, noisy.topk_logp, allow_unused=True)[0]
+    if g1 is not None:
+        real = inp.mask > 0
+        torch.testing.assert_close(g2[real], g1[real], rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("name", TR_NAMES)
+@pytest.mark.parametrize("extreme", [20.0, -20.0])
+def test_trust_region_gradients_finite_at_extreme_log_ratios(name, extreme):
+    inp = make_inputs(seed=4)
+    inp = dataclasses.replace(inp, old_logp=inp.logp.detach() - extreme, rollout_logp=inp.logp.detach() - extreme,
+                              ref_logp=inp.logp.detach() - extreme)
+    out = policy_loss(inp, _method(name))
+    (grad,) = torch.autograd.grad(out.loss, inp.topk_logp, allow_unused=True)
+    assert torch.isfinite(out.loss)
+    if grad is not None:
+        assert torch.isfinite(grad).all()
+
+
+@pytest.mark.parametrize("name", [s.name for s in TRUST_REGIONS if "vanilla_at_one" in s.tags])
+def test_vanilla_gradient_at_ratio_one(name):
+    """At pi_theta == pi_old == mu == ref the gradient is the plain -A * grad(logp) (summed per token)."""
+    inp = make_inputs(seed=5, same_policies=True)
+    out = policy_loss(inp, build_method("c", advantage="grpo", trust_region=name, aggregation="seq_mean_token_sum"))
+    (grad,) = torch.autograd.grad(out.loss, inp.topk_logp)
+    expected = torch.zeros_like(grad)
+    expected[..., 0] = -inp.adv * inp.mask / inp.normalizer.num_seqs
+    torch.testing.assert_close(grad, expected, rtol=1e-7, atol=1e-10)
+
+
+@pytest.mark.parametrize("name", RATIOS.names())
+def test_ratio_is_zero_at_same_policy_and_ignores_padding(name):
+    inp = make_inputs(seed=6, same_policies=True)
+    fn = RATIOS.fn(name)
+    lr = fn(inp.logp, inp.old_logp, inp.mask, inp.segment_ids, inp.turn_ids)
+    assert lr.shape == inp.mask.shape
+    torch.testing.assert_close(lr * inp.mask, torch.zeros_like(lr))
+    inp2 = make_inputs(seed=6)
+    noisy = _garbage(inp2)
+    a = fn(inp2.logp, inp2.old_logp, inp2.mask, inp2.segment_ids, inp2.turn_ids)
+    b = fn(noisy.logp, noisy.old_logp, noisy.mask, noisy.segment_ids, noisy.turn_ids)
+    real = inp2.mask > 0
+    torch.testing.assert_close(a[real], b[real])
+
+
+@pytest.mark.parametrize("name", ADVANTAGES.names())
+def test_advantage_shapes_and_no_grad(name):
+    inp = make_inputs(seed=7)
+    B, T = inp.mask.shape
+    g = torch.Generator().manual_seed(0)
+    rewards = torch.randint(0, 2, (B,), generator=g).double().requires_grad_(True)
+    values = torch.randn(B, T, generator=g, dtype=torch.float64)
+    adv = ADVANTAGES.fn(name)(rewards, inp.group_ids, inp.mask, values, None)
+    assert adv.shape in ((B,), (B, T))
+    assert not adv.requires_grad
+    assert torch.isfinite(adv).all()
+
+
+@pytest.mark.parametrize("name", CORRECTIONS.names())
+def test_correction_is_detached_and_one_without_mismatch(name):
+    inp = make_inputs(seed=8)
+    old = inp.old_logp.clone().requires_grad_(True)
+    w = CORRECTIONS.fn(name)(old, inp.old_logp, inp.mask, inp.adv)
+    assert w.shape == inp.mask.shape and not w.requires_grad
+    torch.testing.assert_close(w * inp.mask, inp.mask)
+
+
+@pytest.mark.parametrize("name", KL.names())
+def test_kl_zero_at_reference_and_shape(name):
+    inp = make_inputs(seed=9, same_policies=True)
+    kl = KL.fn(name)(inp.logp, inp.ref_logp, inp.old_logp)
+    assert kl.shape == inp.mask.shape
+    torch.testing.assert_close(kl, torch.zeros_like(kl))
+
+
+@pytest.mark.parametrize("name", AGGREGATIONS.names())
+def test_aggregation_is_scalar_and_masked(name):
+    inp = make_inputs(seed=10)
+    loss = torch.randn(inp.mask.shape, dtype=torch.float64)
+    out = AGGREGATIONS.fn(name)(loss, inp.mask, inp.normalizer, inp.group_tokens)
+    assert out.dim() == 0
+    loss2 = torch.where(inp.mask > 0, loss, torch.full_like(loss, float("nan")))
+    torch.testing.assert_close(AGGREGATIONS.fn(name)(loss2, inp.mask, inp.normalizer, inp.group_tokens), out)
+
+
+@pytest.mark.parametrize("name", SHAPERS.names())
+def test_shaper_keeps_shape_and_short_answers(name):
+    r = torch.tensor([1.0, 0.0, 1.0])
+    out = SHAPERS.fn(name)(r, torch.tensor([1, 2, 64]), torch.tensor([False, False, True]), 64)
+    assert out.shape == r.shape
+    assert out[2] < r[2]  # the longest (truncated) answer is never rewarded more
+
+
+@pytest.mark.parametrize("name", FILTERS.names())
+def test_filter_returns_bool_per_sample(name):
+    r = torch.tensor([1.0, 0.0, 1.0, 1.0])
+    keep = FILTERS.fn(name)(r, torch.tensor([0, 0, 1, 1]), torch.tensor([False, True, False, False]), {})
+    assert keep.dtype == torch.bool and keep.shape == r.shape
