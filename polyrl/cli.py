@@ -1,4 +1,4 @@
-"""`polyrl` command line: methods, explain, parts, docs.
+"""`polyrl` command line: train, warmstart, methods, explain, parts, docs.
 
 Bad input prints one line naming the field, the value and what is allowed, and exits with code 2.
 """
@@ -9,6 +9,8 @@ import argparse
 import importlib
 import importlib.util
 import json
+import os
+import shutil
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -17,6 +19,8 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from polyrl.checkpoint import CheckpointError
+from polyrl.config import ConfigError
 from polyrl.registry import ALL_REGISTRIES, PartError
 
 # Piped output (CI logs, tests, `| less`) gets a wide console instead of rich's 80-column default.
@@ -143,11 +147,128 @@ def load_plugin(module: str) -> None:
         raise PartError(f"--plugin {module!r} could not be imported: {e}") from None
 
 
+def cache_dir() -> Path:
+    """Where warm starts are cached: $POLYRL_CACHE, else ~/.cache/polyrl."""
+    return Path(os.environ.get("POLYRL_CACHE", Path.home() / ".cache" / "polyrl"))
+
+
+def cmd_warmstart(args: argparse.Namespace) -> int:
+    from polyrl.tinylm import warmstart
+
+    result = warmstart(args.task, cache_dir() / "warmstart", threshold=args.threshold, seed=args.seed,
+                       hidden=args.hidden, layers=args.layers)
+    how = "cached" if result.cached else f"trained in {result.seconds:.0f} s, {result.steps} steps"
+    console.print(f"warm start for {args.task}: accuracy {result.accuracy:.3f} ({how})\n{result.path}")
+    return 0
+
+
+def resolve_train(args: argparse.Namespace):
+    """Config (TOML beneath flags), method with overrides, task and model directory, all validated."""
+    from polyrl.config import ConfigError, TrainConfig, build_config, load_toml, validate
+    from polyrl.tasks import get_task
+
+    values = load_toml(args.config) if args.config else {}
+    values.update({k: v for k, v in vars(args).items() if k in TrainConfig.__dataclass_fields__ and v is not None})
+    cfg = build_config(values)
+    validate(cfg)
+    method = method_from_args(cfg.method, args)
+    if method.needs_groups and cfg.group_size < 2:
+        raise ConfigError(f"group_size = {cfg.group_size} is not allowed with advantage '{method.advantage.name}' "
+                          "(a group estimator needs >= 2 completions per prompt)")
+    if method.needs_values and cfg.minibatches < 1:
+        raise ConfigError("minibatches must be >= 1")
+    try:
+        task = get_task(cfg.task, data_file=cfg.data_file)
+        if cfg.reward_funcs:
+            from polyrl.tasks.rewards import WithRewardChannels
+
+            weights = [float(w) for w in cfg.reward_weights.split(",")] if cfg.reward_weights else None
+            task = WithRewardChannels(task, [s.strip() for s in cfg.reward_funcs.split(",")], weights)
+    except (ValueError, FileNotFoundError, KeyError) as e:
+        raise ConfigError(f"task = {cfg.task!r}: {e}") from None
+    if cfg.model is not None:
+        from polyrl.model import TOKENIZER_FILES
+
+        if not any((Path(cfg.model) / f).is_file() for f in TOKENIZER_FILES):
+            raise ConfigError(f"model = {cfg.model!r} has no tokenizer ({' or '.join(TOKENIZER_FILES)})")
+    run_dir = cfg.run_dir or f"runs/{method.name}-{cfg.task}-s{cfg.seed}"
+    from polyrl.checkpoint import latest_checkpoint, verify_checkpoint
+
+    latest = latest_checkpoint(run_dir)
+    if cfg.resume and cfg.overwrite:
+        raise ConfigError("resume = true and overwrite = true contradict each other; choose one")
+    if cfg.resume:
+        if latest is None:
+            raise ConfigError(f"resume = true but run_dir = {run_dir!r} has no checkpoint")
+        verify_checkpoint(latest)
+    elif cfg.overwrite:
+        shutil.rmtree(run_dir, ignore_errors=True)
+    elif latest is not None:
+        raise ConfigError(f"run_dir = {run_dir!r} already holds checkpoints; pass --resume to continue it, "
+                          "--overwrite to start over, or another --run-dir")
+    return cfg, method, task, run_dir
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from polyrl.catalog import method_dict
+    from polyrl.config import to_dict
+    from polyrl.trainer import train
+
+    cfg, method, task, run_dir = resolve_train(args)
+    model_dir = cfg.model
+    if model_dir is None:
+        from polyrl.tinylm import warmstart
+
+        ws = warmstart(cfg.task, cache_dir() / "warmstart", seed=0)
+        model_dir = ws.path
+        console.print(f"warm start: {model_dir} ({'cached' if ws.cached else f'{ws.seconds:.0f} s'}, "
+                      f"accuracy {ws.accuracy:.3f})")
+    Path(run_dir).mkdir(parents=True, exist_ok=True)
+    resolved = {"config": {**to_dict(cfg), "model": model_dir, "run_dir": run_dir}, "method": method_dict(method)}
+    (Path(run_dir) / "config.json").write_text(json.dumps(resolved, indent=2, default=str))
+    console.print_json(json.dumps(resolved["config"]))
+    console.print(f"method: {method.name} = " + "; ".join(f"{k} {v}" for k, v in method.parts().items() if v))
+    summary = train(cfg, method, model_dir=model_dir, task=task, run_dir=run_dir, console=console)
+    table = Table(title=f"{method.name} on {task.name}")
+    for col in ("held-out accuracy before", "after", "steps", "s/step", "rollouts/s", "wall s"):
+        table.add_column(col, justify="right")
+    table.add_row(f"{summary['eval_before']:.3f}", f"{summary['eval_after']:.3f}", str(summary["steps"]),
+                  f"{summary['seconds_per_step']:.2f}", f"{summary['rollouts_per_second']:.1f}",
+                  f"{summary['wall_seconds']:.0f}")
+    console.print(table)
+    console.print(f"run files: {run_dir}/ (summary.json, metrics.jsonl, curves.png, tb/, checkpoints/)")
+    return 0
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line (naming the option and value) and exit code 2."""
+
+    def error(self, message: str):  # type: ignore[override]
+        print(f"{self.prog}: error: {message}", file=sys.stderr)
+        raise SystemExit(2)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="polyrl", description=__doc__.splitlines()[0])
+    parser = OneLineParser(prog="polyrl", description=__doc__.splitlines()[0])
     parser.add_argument("--plugin", action="append", default=[], metavar="MODULE",
                         help="import MODULE first, so that its registered parts and presets are available")
     sub = parser.add_subparsers(dest="command", required=True)
+
+    from polyrl.config import add_config_args
+
+    p = sub.add_parser("train", help="RL-train a local Hugging Face causal LM with a preset (and overrides)")
+    p.add_argument("--config", metavar="FILE.toml", help="TOML file of train settings; flags override it")
+    add_config_args(p)
+    add_method_args(p)
+    p.set_defaults(fn=cmd_train)
+
+    p = sub.add_parser("warmstart", help="build and supervised-train the tiny model for a task (cached)")
+    p.add_argument("--task", default="addition", help="task name")
+    p.add_argument("--threshold", type=float, default=0.30, help="stop when held-out greedy accuracy crosses it")
+    p.add_argument("--seed", type=int, default=0, help="seed")
+    p.add_argument("--hidden", type=int, default=128, help="hidden size")
+    p.add_argument("--layers", type=int, default=4, help="decoder layers")
+    p.set_defaults(fn=cmd_warmstart)
 
     p = sub.add_parser("methods", help="list every preset with its parts")
     p.add_argument("--json", action="store_true", help="machine-readable output")
@@ -180,7 +301,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         import polyrl.methods  # noqa: F401  (registers every built-in part and preset)
 
         return int(args.fn(args) or 0)
-    except PartError as e:
+    except (PartError, ConfigError, CheckpointError, FileNotFoundError) as e:
         print(f"polyrl: error: {e}", file=sys.stderr)
         return 2
 

@@ -35,6 +35,10 @@ class TrainConfig:
     """task name: addition, countdown, math (needs --data-file)"""
     data_file: str | None = None
     """JSONL or Parquet file with prompt/answer columns for the math task"""
+    reward_funcs: str | None = None
+    """comma-separated reward functions (module:function or file.py:function; 'task' = the task's checker)"""
+    reward_weights: str | None = None
+    """comma-separated weights of the reward functions (default: all 1)"""
     model: str | None = None
     """local Hugging Face model directory; default: the cached warm start for the task"""
     run_dir: str | None = None
@@ -81,6 +85,8 @@ class TrainConfig:
     """save an atomic checkpoint every N steps (0 = only at the end)"""
     resume: bool = False
     """continue from the newest checkpoint in run_dir"""
+    overwrite: bool = False
+    """delete an existing run_dir first (otherwise a run_dir with checkpoints needs --resume)"""
     seed: int = 0
     """seed for sampling, data order and initialisation"""
     threads: int = 0

@@ -4,7 +4,8 @@ Shapers: ``fn(rewards [B], lengths [B], truncated [B] bool, max_len, *, settings
 applied in order after the task scores the completions. ``max_len`` is the generation cap of the
 run (the trainer passes it), so presets stay valid for any generation length.
 
-Filters: ``fn(rewards [B], group_ids [B], truncated [B], history, *, settings) -> keep [B] bool``.
+Filters: ``fn(rewards [B], group_ids [B], truncated [B], history, *, settings) -> keep [B] bool``; the
+collector passes the task scores *before* shaping (DAPO filters groups on accuracy).
 ``history`` maps a group (prompt) id to the best pass rate seen for it in earlier batches.
 Dynamic sampling (refilling the batch after filtering) lives in ``rollout.collect`` only; filters
 just say what to drop. Samples are dropped *after* advantages are computed on the full group, so a

@@ -94,7 +94,7 @@ def reinforce(
     return r - r.mean() if baseline == "batch_mean" else r
 
 
-@ADVANTAGES.register("grpo", paper="arXiv:2402.03300", ranges={"eps": ">=0"})
+@ADVANTAGES.register("grpo", paper="arXiv:2402.03300", ranges={"eps": ">=0"}, tags=("needs_groups",))
 def grpo(
     rewards: Tensor,
     group_ids: Tensor,
@@ -114,7 +114,7 @@ def grpo(
     return _group_z(r, group_ids, eps, unbiased=std == "sample")
 
 
-@ADVANTAGES.register("group_centered", paper="arXiv:2503.20783")
+@ADVANTAGES.register("group_centered", paper="arXiv:2503.20783", tags=("needs_groups",))
 def group_centered(
     rewards: Tensor,
     group_ids: Tensor,
@@ -128,7 +128,7 @@ def group_centered(
     return torch.where(n > 1, r - mean, torch.zeros_like(r))
 
 
-@ADVANTAGES.register("rloo", paper="arXiv:2402.14740")
+@ADVANTAGES.register("rloo", paper="arXiv:2402.14740", tags=("needs_groups",))
 def rloo(
     rewards: Tensor,
     group_ids: Tensor,
@@ -145,7 +145,7 @@ def rloo(
     return torch.where(n > 1, n / (n - 1.0).clamp_min(1.0) * (r - mean), torch.zeros_like(r))
 
 
-@ADVANTAGES.register("maxrl", paper="arXiv:2602.02710", ranges={"eps": ">=0"})
+@ADVANTAGES.register("maxrl", paper="arXiv:2602.02710", ranges={"eps": ">=0"}, tags=("needs_groups",))
 def maxrl(
     rewards: Tensor,
     group_ids: Tensor,
@@ -166,7 +166,9 @@ def maxrl(
     return torch.where(n > 1, adv, torch.zeros_like(r))
 
 
-@ADVANTAGES.register("group_centered_batch_std", paper="arXiv:2510.13786", ranges={"eps": ">=0"})
+@ADVANTAGES.register(
+    "group_centered_batch_std", paper="arXiv:2510.13786", ranges={"eps": ">=0"}, tags=("needs_groups",)
+)
 def group_centered_batch_std(
     rewards: Tensor,
     group_ids: Tensor,
@@ -200,7 +202,7 @@ def _check_gdpo(p: dict) -> str | None:
     return None
 
 
-@ADVANTAGES.register("gdpo", paper="arXiv:2601.05242", ranges={"eps": ">=0"}, check=_check_gdpo)
+@ADVANTAGES.register("gdpo", paper="arXiv:2601.05242", ranges={"eps": ">=0"}, check=_check_gdpo, tags=("needs_groups", "channels"))
 def gdpo(
     rewards: Tensor,
     group_ids: Tensor,

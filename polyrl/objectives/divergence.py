@@ -150,7 +150,7 @@ def _topk(
     return _masked_surrogate(inp, log_ratio, _direction_keep(inp.adv, div, p, q, dl, dh), c)
 
 
-@TRUST_REGIONS.register("dppo_topk_tv", **_DPPO)
+@TRUST_REGIONS.register("dppo_topk_tv", **{**_DPPO, "tags": ("vanilla_at_one", "needs_topk")})
 def dppo_topk_tv(
     inp: LossInputs,
     log_ratio: Tensor,
@@ -167,7 +167,7 @@ def dppo_topk_tv(
     return _topk(inp, log_ratio, "tv", delta_low, delta_high, trunc_c)
 
 
-@TRUST_REGIONS.register("dppo_topk_kl", **_DPPO)
+@TRUST_REGIONS.register("dppo_topk_kl", **{**_DPPO, "tags": ("vanilla_at_one", "needs_topk")})
 def dppo_topk_kl(
     inp: LossInputs,
     log_ratio: Tensor,

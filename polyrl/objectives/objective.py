@@ -62,6 +62,16 @@ class Method:
         return "needs_values" in ADVANTAGES.spec(self.advantage.name).tags
 
     @property
+    def needs_groups(self) -> bool:
+        """True when the advantage estimator compares completions of the same prompt (group size >= 2)."""
+        return "needs_groups" in ADVANTAGES.spec(self.advantage.name).tags
+
+    @property
+    def needs_topk(self) -> bool:
+        """True when the trust region reads top-K support log-probs (TROLL, top-K DPPO)."""
+        return "needs_topk" in TRUST_REGIONS.spec(self.trust_region.name).tags
+
+    @property
     def needs_ref(self) -> bool:
         return self.kl is not None and self.kl_coef > 0 or self.ref_sync_every > 0
 

@@ -185,7 +185,7 @@ def troll_project(
     "troll",
     paper="arXiv:2510.03817",
     ranges={"eps_kl": ">0", "alpha": ">=0", "max_iter": ">=1"},
-    tags=("vanilla_at_one",),
+    tags=("vanilla_at_one", "needs_topk"),
 )
 def troll(
     inp: LossInputs, log_ratio: Tensor, *, eps_kl: float = 0.05, alpha: float = 1.0, max_iter: int = 50

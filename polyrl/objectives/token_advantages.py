@@ -129,7 +129,7 @@ def reinforce_pp(
     return _whiten(returns, mask, unbiased=False, eps=eps, floor=True)
 
 
-@ADVANTAGES.register("reinforce_pp_baseline", paper="arXiv:2501.03262", ranges={"eps": ">0"})
+@ADVANTAGES.register("reinforce_pp_baseline", paper="arXiv:2501.03262", ranges={"eps": ">0"}, tags=("needs_groups",))
 def reinforce_pp_baseline(
     rewards: Tensor,
     group_ids: Tensor,

@@ -1,0 +1,189 @@
+"""The model backend behind the training loop: a small protocol and its single-process implementation.
+
+The loop in ``trainer.py`` only talks to a ``Learner``: log-probs of token batches (with or without
+gradient), backward, optimizer step, weights for the sampler, state for checkpoints. An FSDP2 or
+Ray-worker learner implements the same methods without touching the loop.
+
+``TokenBatch`` holds a rollout batch as tensors in the layout ``completion_logprobs`` expects: the
+left-padded prompt followed by a right-padded completion block of T columns.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor, nn
+
+from polyrl.model import TokenLogprobs, completion_logprobs
+from polyrl.rollout.generator import Sample
+
+
+@dataclass
+class TokenBatch:
+    """Rollout samples as padded tensors."""
+
+    input_ids: Tensor  # [B, P + T] left-padded prompt, then right-padded completion
+    attention_mask: Tensor  # [B, P + T]
+    completion_mask: Tensor  # [B, T] 1 for sampled completion tokens (EOS included)
+    rollout_logp: Tensor  # [B, T] log-probs reported by the sampler (0 at padding)
+
+    def rows(self, index: Tensor | slice) -> TokenBatch:
+        return TokenBatch(self.input_ids[index], self.attention_mask[index], self.completion_mask[index],
+                          self.rollout_logp[index])
+
+    @staticmethod
+    def from_samples(samples: list[Sample], pad_id: int) -> TokenBatch:
+        B = len(samples)
+        P = max(len(s.prompt_token_ids) for s in samples)
+        T = max(1, max(len(s.completion_token_ids) for s in samples))
+        ids = torch.full((B, P + T), pad_id, dtype=torch.long)
+        attn = torch.zeros((B, P + T), dtype=torch.long)
+        comp = torch.zeros((B, T), dtype=torch.float32)
+        logp = torch.zeros((B, T), dtype=torch.float32)
+        for i, s in enumerate(samples):
+            p, c = len(s.prompt_token_ids), len(s.completion_token_ids)
+            ids[i, P - p:P] = torch.tensor(s.prompt_token_ids)
+            attn[i, P - p:P + c] = 1
+            if c:
+                ids[i, P:P + c] = torch.tensor(s.completion_token_ids)
+                comp[i, :c] = 1.0
+                logp[i, :c] = torch.tensor(s.logprobs)
+        return TokenBatch(ids, attn, comp, logp)
+
+
+SEGMENT_END = ".,;:!?\n"
+
+
+def boundary_token_ids(tokenizer) -> frozenset[int]:
+    """Ids of tokens that end a sub-sentence: their text ends in . , ; : ! ? or holds a newline.
+
+    Byte-level BPE vocabularies spell a newline as 'Ċ'; both spellings count.
+    """
+    out = set()
+    for tok, idx in tokenizer.get_vocab().items():
+        text = tok.replace("Ċ", "\n").rstrip(" Ġ")
+        if "\n" in text or (text and text[-1] in SEGMENT_END):
+            out.add(idx)
+    return frozenset(out)
+
+
+def segment_ids(completion_ids: Tensor, completion_mask: Tensor, boundaries: frozenset[int]) -> Tensor:
+    """[B, T] sub-sentence index of each completion token: a new segment starts after each boundary token (SSPO)."""
+    is_end = torch.zeros_like(completion_mask, dtype=torch.long)
+    if boundaries:
+        ends = torch.tensor(sorted(boundaries), dtype=completion_ids.dtype)
+        is_end = torch.isin(completion_ids, ends).long() * completion_mask.long()
+    return torch.cumsum(is_end, dim=-1) - is_end  # the boundary token belongs to the segment it closes
+
+
+class Learner(Protocol):
+    """What the training loop needs from a model backend."""
+
+    def logprobs(self, batch: TokenBatch, *, grad: bool, topk: int = 0) -> TokenLogprobs: ...
+    def backward(self, loss: Tensor) -> None: ...
+    def step(self) -> float: ...  # clip, optimizer and scheduler step; returns the pre-clip grad norm
+    def state(self) -> dict[str, Any]: ...
+
+
+class ValueHead(nn.Module):
+    """A critic: the policy's architecture with a scalar head on the last hidden state (GAE presets)."""
+
+    def __init__(self, backbone: nn.Module):
+        super().__init__()
+        self.backbone = backbone
+        self.head = nn.Linear(backbone.config.hidden_size, 1)
+        nn.init.zeros_(self.head.weight)
+        nn.init.zeros_(self.head.bias)
+
+    def forward(self, batch: TokenBatch) -> Tensor:
+        """Values [B, T] of the states in which each completion token was chosen."""
+        pos = (batch.attention_mask.cumsum(-1) - 1).clamp_min(0)
+        out = self.backbone.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=pos)
+        T = batch.completion_mask.shape[1]
+        hidden = out.last_hidden_state[:, -T - 1:-1]  # state before token t predicts token t
+        return self.head(hidden.float()).squeeze(-1)
+
+
+def clipped_value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, clip: float) -> Tensor:
+    """PPO value loss with baselines-style clipping: 0.5 * max((V - R)^2, (V_clip - R)^2), token mean."""
+    v_clip = old_values + (values - old_values).clamp(-clip, clip)
+    loss = 0.5 * torch.maximum((values - returns) ** 2, (v_clip - returns) ** 2)
+    return (loss * mask).sum() / mask.sum().clamp_min(1.0)
+
+
+class LocalLearner:
+    """Single-process learner: one policy (and optionally a critic) with AdamW and linear warm-up."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        lr: float,
+        weight_decay: float,
+        warmup_steps: int,
+        max_grad_norm: float,
+        temperature: float,
+        top_p: float,
+        top_k: int,
+        fp32_head: bool,
+        micro_batch_size: int,
+    ):
+        self.model = model
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda s: min(1.0, (s + 1) / (warmup_steps + 1)) if warmup_steps else 1.0
+        )
+        self.max_grad_norm = max_grad_norm
+        self.sampling = dict(temperature=temperature, top_p=top_p if top_p < 1 else None, top_k=top_k or None)
+        self.fp32_head = fp32_head
+        self.micro_batch_size = micro_batch_size
+
+    def logprobs(self, batch: TokenBatch, *, grad: bool, topk: int = 0) -> TokenLogprobs:
+        """Log-probs, entropy (and top-K) of the completion tokens under the sampling distribution."""
+        self.model.train(grad)
+        with torch.set_grad_enabled(grad):
+            return completion_logprobs(self.model, batch.input_ids, batch.attention_mask, batch.completion_mask,
+                                       fp32_head=self.fp32_head, topk=topk, **self.sampling)
+
+    def logprobs_nograd(self, batch: TokenBatch, *, topk: int = 0, model: nn.Module | None = None) -> TokenLogprobs:
+        """The same without gradient and micro-batched, for the policy or another model (the reference)."""
+        model = model or self.model
+        was_training = model.training
+        model.eval()
+        parts = []
+        with torch.no_grad():
+            for i in range(0, batch.input_ids.shape[0], self.micro_batch_size):
+                rows = batch.rows(slice(i, i + self.micro_batch_size))
+                parts.append(completion_logprobs(model, rows.input_ids, rows.attention_mask, rows.completion_mask,
+                                                 fp32_head=self.fp32_head, topk=topk, **self.sampling))
+        model.train(was_training)
+
+        def cat(name: str) -> Tensor | None:
+            return None if getattr(parts[0], name) is None else torch.cat([getattr(p, name) for p in parts])
+
+        return TokenLogprobs(logp=cat("logp"), entropy=cat("entropy"), topk_ids=cat("topk_ids"),
+                             topk_logp=cat("topk_logp"))
+
+    def backward(self, loss: Tensor) -> None:
+        loss.backward()
+
+    def step(self) -> float:
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        norm = torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm if self.max_grad_norm > 0 else float("inf"))
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(norm)
+
+    def skip_step(self) -> None:
+        """Drop accumulated gradients without stepping (non-finite loss)."""
+        self.optimizer.zero_grad(set_to_none=True)
+
+    @property
+    def lr(self) -> float:
+        return float(self.scheduler.get_last_lr()[0])
+
+    def state(self) -> dict[str, Any]:
+        return {"model": self.model, "optimizer": self.optimizer, "scheduler": self.scheduler}

@@ -1,0 +1,245 @@
+"""Load a policy from a local Hugging Face directory and compute completion log-probs cheaply.
+
+``completion_logprobs`` is the only place where the trainer turns a model into per-token
+log-probs, entropies and top-K log-probs. It never materialises the full ``[B, T, V]`` float32
+logits: the base model runs once to give the final hidden states, and the LM head is applied to
+``chunk_size`` completion tokens at a time. When gradients are needed each chunk runs under
+``torch.utils.checkpoint``, so the backward pass recomputes one chunk's logits at a time instead
+of keeping every chunk's. The automatic chunk size makes one chunk's logits about as large as the
+hidden states of the scored tokens (N * H elements), which are in memory anyway (the sizing rule
+of Liger-Kernel's fused linear cross-entropy). With a 152k vocabulary this is the difference
+between gigabytes and megabytes per micro-batch.
+
+Sampling settings (temperature, top-k, top-p) are applied by ``process_logits``, the one function
+the rollout sampler also uses, so log-probs recomputed at the rollout weights equal the sampler's.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+DType = Literal["float32", "bfloat16", "float16", "float64"]
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float64": torch.float64,
+}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+MIN_AUTO_CHUNK = 32  # smallest automatic chunk (tokens); tinier matmuls waste more time than they save memory
+
+
+def load_policy(model_dir: str | Path, *, dtype: DType = "float32", threads: int | None = None):
+    """Load a causal LM and its tokenizer from a local directory (nothing is downloaded).
+
+    Returns ``(model, tokenizer)``; the model is in eval mode. ``threads`` sets
+    ``torch.set_num_threads`` for the process (default: the machine's CPU count).
+    Raises FileNotFoundError naming the path when the directory, its config.json or its tokenizer
+    is missing.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = Path(model_dir)
+    if not path.is_dir():
+        raise FileNotFoundError(f"model directory not found: {path}")
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"no config.json in model directory {path} (not a Hugging Face model?)")
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        raise FileNotFoundError(
+            f"no tokenizer in model directory {path} (expected {' or '.join(TOKENIZER_FILES)})"
+        )
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if threads is not None and threads < 1:
+        raise ValueError(f"threads must be >= 1, got {threads}")
+    torch.set_num_threads(threads if threads is not None else (os.cpu_count() or 1))
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], local_files_only=True)
+    model.eval()
+    return model, tokenizer
+
+
+def process_logits(
+    logits: Tensor, *, temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None
+) -> Tensor:
+    """Apply temperature, then top-k, then top-p to logits [..., V]; filtered entries become -inf.
+
+    The order and the rules are those of Hugging Face's logits warpers: top-k keeps every token
+    whose logit ties the k-th largest; top-p keeps the smallest prefix of tokens sorted by
+    probability whose mass reaches ``top_p`` (a token is removed when the mass strictly before it
+    already exceeds ``top_p``; the most probable token is always kept). ``top_k=None`` and
+    ``top_p=None`` (or 1.0) disable the filters. log_softmax of the result is the sampling
+    distribution.
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0 for a sampling distribution, got {temperature}")
+    if top_k is not None and top_k < 1:
+        raise ValueError(f"top_k must be >= 1 or None, got {top_k}")
+    if top_p is not None and not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1] or None, got {top_p}")
+    z = logits / temperature if temperature != 1.0 else logits
+    if top_k is not None and top_k < z.shape[-1]:
+        kth = torch.topk(z, top_k, dim=-1).values[..., -1:]
+        z = z.masked_fill(z < kth, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        sorted_z, order = torch.sort(z, dim=-1, descending=True)
+        probs = sorted_z.softmax(dim=-1)
+        remove_sorted = (probs.cumsum(dim=-1) - probs) > top_p
+        remove = torch.zeros_like(remove_sorted).scatter(-1, order, remove_sorted)
+        z = z.masked_fill(remove, float("-inf"))
+    return z
+
+
+@dataclass
+class TokenLogprobs:
+    """Per-token outputs of ``completion_logprobs``; 0 at positions where completion_mask == 0."""
+
+    logp: Tensor  # [B, T] log-prob of each completion token under the processed distribution
+    entropy: Tensor | None = None  # [B, T] entropy of the processed distribution (with_entropy=True)
+    topk_ids: Tensor | None = None  # [B, T, K] long; column 0 = the sampled token
+    topk_logp: Tensor | None = None  # [B, T, K] log-probs at topk_ids
+
+
+def completion_logprobs(
+    model: nn.Module,
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    completion_mask: Tensor,
+    *,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    chunk_size: int | None = None,
+    with_entropy: bool = True,
+    fp32_head: bool = False,
+    topk: int = 0,
+    topk_ids: Tensor | None = None,
+) -> TokenLogprobs:
+    """Compute log-probs [B, T] (and entropy, top-K) of the completion tokens, chunk by chunk.
+
+    Layout: ``input_ids`` and ``attention_mask`` are [B, L] = left-padded prompt followed by the
+    right-padded completion block of T = ``completion_mask.shape[1]`` columns (the last T columns
+    of ``input_ids``); ``completion_mask`` [B, T] marks the completion tokens to score. Position ids
+    are ``cumsum(attention_mask) - 1``, as in the sampler. Only tokens with completion_mask == 1
+    pass through the LM head, ``chunk_size`` tokens at a time (None: ceil(N * H / V), at least
+    32); every output is 0 elsewhere.
+
+    ``topk`` = K > 0 also returns top-K ids/log-probs: column 0 is the scored token, columns
+    1..K-1 the K-1 most probable other tokens of this model's processed distribution. Passing
+    ``topk_ids`` [B, T, K] instead evaluates the log-probs at those ids (the rollout policy's
+    support, for DPPO-style trust regions). ``fp32_head`` casts hidden states and head weights to
+    float32 before the head (ScaleRL); logits are always upcast to at least float32 per chunk.
+    Gradients flow to every model parameter through ``logp``, ``entropy`` and ``topk_logp``.
+    """
+    if input_ids.dim() != 2 or attention_mask.shape != input_ids.shape:
+        raise ValueError(
+            f"input_ids and attention_mask must both be [B, L], got {tuple(input_ids.shape)} and "
+            f"{tuple(attention_mask.shape)}"
+        )
+    batch, length = input_ids.shape
+    if completion_mask.dim() != 2 or completion_mask.shape[0] != batch:
+        raise ValueError(f"completion_mask must be [B={batch}, T], got {tuple(completion_mask.shape)}")
+    width = completion_mask.shape[1]
+    if not 1 <= width < length:
+        raise ValueError(f"completion width T={width} must be in [1, L) with L={length} (a prompt token is needed)")
+    if chunk_size is not None and chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1 or None, got {chunk_size}")
+    if topk < 0:
+        raise ValueError(f"topk must be >= 0, got {topk}")
+    if topk_ids is not None and (topk_ids.dim() != 3 or topk_ids.shape[:2] != completion_mask.shape):
+        raise ValueError(f"topk_ids must be [B, T, K] matching completion_mask, got {tuple(topk_ids.shape)}")
+    if model.config.to_dict().get("final_logit_softcapping") is not None:
+        raise ValueError("models with final_logit_softcapping are not supported by completion_logprobs")
+    head = model.get_output_embeddings()
+    if not isinstance(head, nn.Linear):
+        raise TypeError(f"completion_logprobs needs an nn.Linear LM head, got {type(head).__name__}")
+    if topk > head.out_features:
+        raise ValueError(f"topk={topk} exceeds the vocabulary size {head.out_features}")
+
+    position_ids = (attention_mask.long().cumsum(dim=-1) - 1).clamp_min(0)
+    hidden = model.base_model(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+    ).last_hidden_state  # [B, L, H]
+    selected = completion_mask.bool()  # [B, T]
+    states = hidden[:, length - width - 1 : length - 1][selected]  # [N, H]; position i predicts token i+1
+    targets = input_ids[:, length - width :][selected]  # [N]
+    given_ids = topk_ids[selected] if topk_ids is not None else None  # [N, K]
+
+    if chunk_size is None:  # one chunk's logits [n, V] about as large as the hidden states [N, H]
+        chunk_size = max(MIN_AUTO_CHUNK, -(-states.shape[0] * head.in_features // head.out_features))
+    needs_graph = torch.is_grad_enabled() and (states.requires_grad or head.weight.requires_grad)
+    settings = dict(
+        temperature=temperature, top_k=top_k, top_p=top_p, with_entropy=with_entropy, topk=topk,
+        fp32_head=fp32_head,
+    )
+    pieces: list[tuple[Tensor | None, ...]] = []
+    for start in range(0, states.shape[0], chunk_size):
+        args = (
+            states[start : start + chunk_size],
+            targets[start : start + chunk_size],
+            None if given_ids is None else given_ids[start : start + chunk_size],
+            head.weight,
+            head.bias,
+        )
+        if needs_graph:
+            pieces.append(checkpoint(_head_chunk, *args, use_reentrant=False, **settings))
+        else:
+            pieces.append(_head_chunk(*args, **settings))
+
+    out_dtype = torch.promote_types(head.weight.dtype, torch.float32)
+    k = given_ids.shape[-1] if given_ids is not None else topk
+
+    def scatter(index: int, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
+        values = [p[index] for p in pieces]
+        flat = torch.cat(values) if values else torch.zeros((0, *shape[2:]), dtype=dtype, device=hidden.device)
+        mask = selected.reshape(*selected.shape, *([1] * (len(shape) - 2))).expand(shape)
+        return torch.zeros(shape, dtype=dtype, device=hidden.device).masked_scatter(mask, flat.to(dtype))
+
+    return TokenLogprobs(
+        logp=scatter(0, (batch, width), out_dtype),
+        entropy=scatter(1, (batch, width), out_dtype) if with_entropy else None,
+        topk_ids=scatter(2, (batch, width, k), torch.long) if k > 0 else None,
+        topk_logp=scatter(3, (batch, width, k), out_dtype) if k > 0 else None,
+    )
+
+
+def _head_chunk(
+    states: Tensor,
+    targets: Tensor,
+    given_ids: Tensor | None,
+    weight: Tensor,
+    bias: Tensor | None,
+    *,
+    temperature: float,
+    top_k: int | None,
+    top_p: float | None,
+    with_entropy: bool,
+    topk: int,
+    fp32_head: bool,
+) -> tuple[Tensor | None, ...]:
+    """Head, sampling filters and per-token statistics for N tokens: (logp, entropy, ids, topk_logp)."""
+    if fp32_head:
+        states, weight = states.float(), weight.float()
+        bias = bias.float() if bias is not None else None
+    logits = F.linear(states, weight, bias)  # [N, V]
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    logprobs = process_logits(logits, temperature=temperature, top_k=top_k, top_p=top_p).log_softmax(dim=-1)
+    logp = logprobs.gather(-1, targets[:, None]).squeeze(-1)  # [N]
+    entropy = None
+    if with_entropy:
+        finite = logprobs.masked_fill(torch.isinf(logprobs), 0.0)  # 0 * -inf would give nan (and nan grads)
+        entropy = -(logprobs.exp() * finite).sum(dim=-1)
+    ids = given_ids
+    if ids is None and topk > 0:
+        others = logprobs.detach().scatter(-1, targets[:, None], float("-inf"))
+        ids = torch.cat([targets[:, None], others.topk(topk - 1, dim=-1).indices], dim=-1)  # [N, K]
+    topk_logp = logprobs.gather(-1, ids) if ids is not None else None
+    return logp, entropy, ids, topk_logp

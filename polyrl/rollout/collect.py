@@ -1,0 +1,131 @@
+"""sample -> score -> shape -> filter -> refill: the one place where dynamic sampling lives.
+
+``collect`` draws prompts, samples a group of completions for each, scores them with the task,
+applies the method's reward shapers and filters, and -- when filters drop whole groups (DAPO's
+dynamic sampling, ScaleRL's zero-variance filter) -- draws more prompts until the batch has the
+requested number of groups or ``max_rounds`` generation rounds were spent. Sample-level drops
+(overlong filtering) keep the group for the advantage statistics and zero the sample's loss.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, MutableMapping
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from polyrl.objectives import Method
+from polyrl.registry import FILTERS, SHAPERS
+from polyrl.rollout.generator import Generator, Sample, SamplingParams
+from polyrl.tasks.base import Prompt, Task
+
+
+class NoUsableGroups(RuntimeError):
+    """Every sampled group was filtered out within the allowed generation rounds; ``stats`` says what was spent."""
+
+    def __init__(self, message: str, stats: dict[str, float]):
+        super().__init__(message)
+        self.stats = stats
+
+
+@dataclass
+class RolloutBatch:
+    """A group-ordered batch of scored completions, ready for the trainer (B = groups * group size)."""
+
+    group_ids: Tensor  # [B] long: integer id of the prompt in the training pool (one group per prompt)
+    prompts: list[Prompt]  # [B] the prompt of each sample
+    samples: list[Sample]  # [B] token ids, rollout log-probs, finish reason, text
+    scores: Tensor  # [B] raw task rewards
+    rewards: Tensor  # [B] rewards after the method's shapers
+    keep: Tensor  # [B] bool: sample counts for the loss (sample-level filters)
+    truncated: Tensor  # [B] bool: generation hit max_new_tokens
+    lengths: Tensor  # [B] completion lengths in tokens
+    channels: Tensor | None = None  # [B, C] separate reward channels (WithRewardChannels), else None
+    stats: dict[str, float] = field(default_factory=dict)  # rollout/* and reward/* metrics
+
+
+def _group_has_variance(scores: Tensor, group_size: int) -> Tensor:
+    g = scores.view(-1, group_size)
+    return (g.max(dim=1).values - g.min(dim=1).values) > 1e-6  # [groups]
+
+
+def collect(
+    generator: Generator,
+    task: Task,
+    method: Method,
+    draw_prompts: Callable[[int], list[tuple[int, Prompt]]],
+    *,
+    num_groups: int,
+    params: SamplingParams,
+    history: MutableMapping[int, float],
+    max_rounds: int = 1,
+) -> RolloutBatch:
+    """Sample ``num_groups`` groups of ``params.n`` completions that survive the method's filters.
+
+    ``draw_prompts(k)`` returns the next k (pool index, Prompt) pairs of the training stream.
+    ``history`` (pool index -> best pass rate so far) is updated with every scored group, so
+    no-positive-resampling removes a prompt once it was solved often enough.
+    """
+    G = params.n
+    kept_groups: list[tuple[int, Prompt, list[Sample], Tensor, Tensor, Tensor, Tensor | None]] = []
+    generated = useful = rounds = 0
+    tokens_generated = 0
+    while len(kept_groups) < num_groups and rounds < max_rounds:
+        rounds += 1
+        need = num_groups - len(kept_groups)
+        drawn = draw_prompts(need)
+        samples = generator.generate([p.text for _, p in drawn], params)
+        scored = [task.reward(drawn[s.prompt_index][1], s.text) for s in samples]
+        scores = torch.tensor([r for r, _ in scored], dtype=torch.float32)
+        channels = (torch.tensor([info["channels"] for _, info in scored], dtype=torch.float32)
+                    if scored and "channels" in scored[0][1] else None)
+        lengths = torch.tensor([len(s.completion_token_ids) for s in samples])
+        truncated = torch.tensor([s.finish_reason == "length" for s in samples])
+        gids = torch.tensor([drawn[s.prompt_index][0] for s in samples])
+        rewards = scores.clone()
+        for shaper in method.shapers:
+            rewards = SHAPERS.fn(shaper.name)(rewards, lengths, truncated, params.max_new_tokens, **shaper.params)
+        keep = torch.ones(len(samples), dtype=torch.bool)
+        for filt in method.filters:
+            # Filters judge the task scores, not the shaped rewards: DAPO's dynamic sampling drops groups whose
+            # *accuracy* is all-0 or all-1 (verl filter_groups.metric=acc); a length penalty must not rescue them.
+            keep &= FILTERS.fn(filt.name)(scores, gids, truncated, history, **filt.params)
+        generated += len(samples)
+        tokens_generated += int(lengths.sum())
+        useful += int(_group_has_variance(scores, G).sum()) * G
+        for g, (pool_idx, prompt) in enumerate(drawn):
+            rows = slice(g * G, (g + 1) * G)
+            history[pool_idx] = max(history.get(pool_idx, 0.0), float(scores[rows].clamp(0, 1).mean()))
+            if keep[rows].any() and len(kept_groups) < num_groups:
+                kept_groups.append((pool_idx, prompt, samples[rows], scores[rows], rewards[rows], keep[rows],
+                                    None if channels is None else channels[rows]))
+    if not kept_groups:
+        raise NoUsableGroups(
+            f"every sampled group was filtered out in {rounds} generation round(s) "
+            f"(filters: {', '.join(f.name for f in method.filters)})",
+            {"rollout/gen_rounds": float(rounds), "rollout/generated": float(generated), "rollout/utilization": 0.0},
+        )
+    samples = [s for grp in kept_groups for s in grp[2]]
+    scores = torch.cat([grp[3] for grp in kept_groups])
+    variance_groups = int(_group_has_variance(scores, G).sum())
+    stats = {
+        "rollout/gen_rounds": float(rounds),
+        "rollout/generated": float(generated),
+        "rollout/groups": float(len(kept_groups)),
+        "rollout/utilization": useful / max(1, generated),
+        "rollout/useful_groups_per_token": (useful / G) / max(1, tokens_generated),
+        "rollout/mixed_group_frac": variance_groups / len(kept_groups),
+    }
+    return RolloutBatch(
+        group_ids=torch.tensor([grp[0] for grp in kept_groups for _ in range(G)]),
+        prompts=[grp[1] for grp in kept_groups for _ in range(G)],
+        samples=samples,
+        scores=scores,
+        rewards=torch.cat([grp[4] for grp in kept_groups]),
+        keep=torch.cat([grp[5] for grp in kept_groups]),
+        channels=None if kept_groups[0][6] is None else torch.cat([grp[6] for grp in kept_groups]),
+        truncated=torch.tensor([s.finish_reason == "length" for s in samples]),
+        lengths=torch.tensor([len(s.completion_token_ids) for s in samples]),
+        stats=stats,
+    )

@@ -1,0 +1,64 @@
+"""The generator protocol: prompts in, sampled completions with their rollout log-probs out.
+
+A backend (transformers here; vLLM optionally) samples ``n`` completions per prompt and reports,
+for every sampled token, its log-prob under the distribution it was actually drawn from (after
+temperature, top-k and top-p). The trainer keeps these as ``rollout_logp`` so mismatch corrections
+and DPPO-style trust regions anchor to the policy that really sampled.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+from torch import Tensor
+
+FinishReason = Literal["stop", "length"]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample; ``temperature == 0`` means greedy decoding."""
+
+    n: int = 1  # completions per prompt (the group size)
+    max_new_tokens: int = 64  # completion length cap; hitting it gives finish_reason "length"
+    temperature: float = 1.0  # 0 = greedy (argmax), else logits / temperature
+    top_p: float = 1.0  # nucleus mass kept, in (0, 1]; 1.0 disables
+    top_k: int | None = None  # keep the k most probable tokens; None disables
+    seed: int | None = None  # sampling seed; None = nondeterministic
+
+    def __post_init__(self) -> None:
+        if self.n < 1:
+            raise ValueError(f"SamplingParams.n must be >= 1, got {self.n}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"SamplingParams.max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"SamplingParams.temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k is not None and self.top_k < 1:
+            raise ValueError(f"SamplingParams.top_k must be >= 1 or None, got {self.top_k}")
+
+
+@dataclass
+class Sample:
+    """One sampled completion of one prompt."""
+
+    prompt_index: int  # index of the prompt in the list given to generate()
+    prompt_token_ids: list[int]  # the prompt as tokenized (special tokens included, no padding)
+    completion_token_ids: list[int]  # sampled tokens, the EOS token included when finish_reason == "stop"
+    logprobs: list[float]  # rollout log-prob of each completion token under the processed distribution
+    finish_reason: FinishReason  # "stop": EOS sampled; "length": max_new_tokens reached
+    text: str  # completion decoded without special tokens (so without EOS)
+
+
+class Generator(Protocol):
+    """A sampling backend. Samples come back grouped: all ``n`` of prompt 0, then prompt 1, ..."""
+
+    def generate(self, prompts: list[str], params: SamplingParams) -> list[Sample]:
+        """Sample ``params.n`` completions for every prompt."""
+        ...
+
+    def load_weights(self, state_dict: dict[str, Tensor]) -> None:
+        """Replace the sampling weights with the trainer's (same parameter names)."""
+        ...

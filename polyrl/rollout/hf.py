@@ -1,0 +1,151 @@
+"""Transformers sampling backend with its own KV-cache decode loop.
+
+Why not ``model.generate``: it does not return the log-probs of the *processed* distribution the
+tokens were drawn from in a form we can trust to match the trainer, and its warper stack is not
+the one ``completion_logprobs`` uses. This loop calls ``polyrl.model.process_logits`` — the same
+function the trainer calls — so recomputed log-probs equal rollout log-probs at the same weights.
+
+Batches are LEFT padded with explicit position ids ``cumsum(attention_mask) - 1``; each step feeds
+one token per row with the cache (``past_key_values``). Rows that sampled EOS are dropped from the
+batch and the cache as soon as they finish, so long-tail rows do not pay for finished ones. The
+only Python work per step is the loop itself and one ``any()`` check.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+from transformers import DynamicCache
+
+from polyrl.model import process_logits
+from polyrl.rollout.generator import Sample, SamplingParams
+
+
+class HFGenerator:
+    """Sample completions from a transformers causal LM on its own device."""
+
+    def __init__(self, model: nn.Module, tokenizer, *, max_batch_size: int = 256) -> None:
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        self.model = model
+        self.tokenizer = tokenizer
+        self.max_batch_size = max_batch_size
+        eos = model.generation_config.eos_token_id
+        eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        if tokenizer.eos_token_id is not None:
+            eos_ids.add(tokenizer.eos_token_id)
+        if not eos_ids:
+            raise ValueError("HFGenerator: neither the tokenizer nor the generation config defines an EOS token")
+        self.eos_ids = sorted(eos_ids)
+        # The filler of padded slots is never attended to; any valid id works.
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_ids[0]
+
+    def load_weights(self, state_dict: dict[str, Tensor]) -> None:
+        """Copy the trainer's weights into the sampling model (strict: names and shapes must match)."""
+        with torch.no_grad():
+            self.model.load_state_dict(state_dict, strict=True)
+
+    def generate(self, prompts: list[str], params: SamplingParams) -> list[Sample]:
+        """Sample ``params.n`` completions per prompt, grouped by prompt, in micro-batches."""
+        prompt_ids: list[list[int]] = self.tokenizer(list(prompts), add_special_tokens=True)["input_ids"]
+        for index, ids in enumerate(prompt_ids):
+            if not ids:
+                raise ValueError(f"prompt {index} tokenizes to no tokens; nothing to condition on")
+        device = next(self.model.parameters()).device
+        rng = torch.Generator(device=device)
+        if params.seed is None:
+            rng.seed()
+        else:
+            rng.manual_seed(params.seed)
+        rows = [(index, ids) for index, ids in enumerate(prompt_ids) for _ in range(params.n)]
+        samples: list[Sample] = []
+        for start in range(0, len(rows), self.max_batch_size):
+            chunk = rows[start : start + self.max_batch_size]
+            tokens, logps, lengths, stopped = self._decode([ids for _, ids in chunk], params, rng, device)
+            completions = [row[:n] for row, n in zip(tokens.tolist(), lengths.tolist())]
+            texts = self.tokenizer.batch_decode(completions, skip_special_tokens=True)
+            for (index, ids), completion, row_logps, stop, text in zip(
+                chunk, completions, logps.tolist(), stopped.tolist(), texts
+            ):
+                samples.append(
+                    Sample(
+                        prompt_index=index,
+                        prompt_token_ids=list(ids),
+                        completion_token_ids=completion,
+                        logprobs=row_logps[: len(completion)],
+                        finish_reason="stop" if stop else "length",
+                        text=text,
+                    )
+                )
+        return samples
+
+    @torch.inference_mode()
+    def _decode(
+        self, prompt_ids: list[list[int]], params: SamplingParams, rng: torch.Generator, device: torch.device
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """Decode one left-padded batch: tokens [N, S], log-probs [N, S], lengths [N], stopped [N]."""
+        count, width, steps = len(prompt_ids), max(len(ids) for ids in prompt_ids), params.max_new_tokens
+        input_ids = torch.full((count, width), self.pad_id, dtype=torch.long)
+        attention_mask = torch.zeros((count, width), dtype=torch.long)
+        for row, ids in enumerate(prompt_ids):
+            input_ids[row, width - len(ids) :] = torch.tensor(ids, dtype=torch.long)
+            attention_mask[row, width - len(ids) :] = 1
+        input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+        position_ids = (attention_mask.cumsum(dim=-1) - 1).clamp_min(0)
+        eos_ids = torch.tensor(self.eos_ids, device=device)
+
+        tokens = torch.full((count, steps), self.pad_id, dtype=torch.long, device=device)
+        logps = torch.zeros((count, steps), dtype=torch.float32, device=device)
+        lengths = torch.zeros(count, dtype=torch.long, device=device)
+        stopped = torch.zeros(count, dtype=torch.bool, device=device)
+        rows = torch.arange(count, device=device)  # original row of each live batch row
+        next_position = position_ids[:, -1] + 1  # [n]
+        cache = DynamicCache(config=self.model.config)
+        logits = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        ).logits[:, -1]
+        for step in range(steps):
+            token, logp = _pick(logits.float(), params, rng)
+            tokens[rows, step] = token
+            logps[rows, step] = logp
+            lengths[rows] = step + 1
+            finished = torch.isin(token, eos_ids)
+            stopped[rows] = finished
+            if step == steps - 1 or bool(finished.all()):
+                break
+            if bool(finished.any()):
+                live = (~finished).nonzero().squeeze(1)
+                rows, token, next_position = rows[live], token[live], next_position[live]
+                attention_mask = attention_mask[live]
+                cache.batch_select_indices(live)
+            attention_mask = torch.cat([attention_mask, attention_mask.new_ones((rows.shape[0], 1))], dim=1)
+            logits = self.model(
+                input_ids=token[:, None],
+                attention_mask=attention_mask,
+                position_ids=next_position[:, None],
+                past_key_values=cache,
+                use_cache=True,
+            ).logits[:, -1]
+            next_position = next_position + 1
+        return tokens.cpu(), logps.cpu(), lengths.cpu(), stopped.cpu()
+
+
+def _pick(logits: Tensor, params: SamplingParams, rng: torch.Generator) -> tuple[Tensor, Tensor]:
+    """Choose one token per row [n] and its log-prob [n] under the distribution it came from.
+
+    Greedy (temperature 0) reports the log-prob under the unprocessed distribution (temperature 1,
+    no filters): the limit distribution at temperature 0 is one-hot and carries no information.
+    """
+    if params.temperature == 0:
+        logprobs = logits.log_softmax(dim=-1)
+        token = logits.argmax(dim=-1)
+    else:
+        processed = process_logits(logits, temperature=params.temperature, top_k=params.top_k, top_p=params.top_p)
+        logprobs = processed.log_softmax(dim=-1)
+        token = torch.multinomial(logprobs.exp(), 1, generator=rng).squeeze(1)
+    return token, logprobs.gather(-1, token[:, None]).squeeze(1)

@@ -1,0 +1,39 @@
+"""Verifiable tasks: a ``Task`` gives deterministic prompt splits and a programmatic reward."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+
+from polyrl.tasks.arithmetic import AdditionTask
+from polyrl.tasks.base import Prompt, Split, Task
+from polyrl.tasks.countdown import CountdownTask
+from polyrl.tasks.math import MathTask
+
+
+def _math(data_file: str | None = None) -> Task:
+    if data_file is None:
+        raise ValueError("task 'math' needs --data-file (a local JSONL or Parquet file of question/answer rows)")
+    return MathTask(data_file)
+
+
+# Task name -> factory; ``data_file`` is passed to every factory that takes it.
+TASKS: dict[str, Callable[..., Task]] = {
+    "addition": AdditionTask,
+    "countdown": CountdownTask,
+    "math": _math,
+}
+
+
+def get_task(name: str, data_file: str | None = None) -> Task:
+    """Build the task registered as ``name``; an unknown name lists the known ones."""
+    if name not in TASKS:
+        raise ValueError(f"unknown task {name!r}; known tasks: {', '.join(sorted(TASKS))}")
+    factory = TASKS[name]
+    reads_file = "data_file" in inspect.signature(factory).parameters
+    if data_file is not None and not reads_file:
+        raise ValueError(f"task {name!r} does not read a data file (data_file = {data_file!r})")
+    return factory(data_file=data_file) if reads_file else factory()
+
+
+__all__ = ["TASKS", "AdditionTask", "Prompt", "Split", "Task", "get_task"]

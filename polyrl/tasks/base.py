@@ -1,0 +1,37 @@
+"""The task protocol: where prompts come from and how a completion is scored.
+
+A task is a plain object with a ``name``, a ``prompts`` method that returns deterministic,
+disjoint train and test splits, and a ``reward`` method that scores one completion. Rewards are
+verifiable (computed by a program, never by a model) and come with a small ``info`` dict of
+plain values for logging.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
+
+Split = Literal["train", "test"]
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One prompt of a task: a stable id, the text given to the model, and the reference answer."""
+
+    id: str  # stable across runs and machines, e.g. "addition/12+34"
+    text: str  # what the policy is conditioned on, e.g. "12+34="
+    answer: str  # the reference answer, e.g. "46"
+
+
+class Task(Protocol):
+    """A verifiable task: deterministic prompt splits and a programmatic reward."""
+
+    name: str
+
+    def prompts(self, split: Split, n: int, seed: int) -> list[Prompt]:
+        """Return ``n`` prompts of ``split``; the same (split, n, seed) always gives the same list."""
+        ...
+
+    def reward(self, prompt: Prompt, completion_text: str) -> tuple[float, dict[str, Any]]:
+        """Score one completion (the text generated after the prompt) of ``prompt``."""
+        ...

@@ -1,0 +1,329 @@
+"""THE training loop, read top to bottom. No branch on a method's or a part's name.
+
+One RL step:
+  1. collect   -- sample groups, score, shape, filter, refill (rollout.collect)
+  2. score     -- old / reference log-probs and critic values at the rollout weights (no grad)
+  3. advantage -- the method's estimator (KL in the reward first, if the method puts it there)
+  4. update    -- epochs x minibatches x micro-batches of policy_loss(method); one optimizer step
+                  per minibatch, each with its own global Normalizer
+  5. log, evaluate, checkpoint
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from polyrl.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from polyrl.config import TrainConfig, to_dict
+from polyrl.learner import (
+    LocalLearner,
+    TokenBatch,
+    ValueHead,
+    boundary_token_ids,
+    clipped_value_loss,
+    segment_ids,
+)
+from polyrl.logging import RunLogger, peak_rss_mb, plot_curves, write_summary
+from polyrl.objectives import Method, kl_reward_penalty, policy_loss
+from polyrl.objectives.objective import masked_mean
+from polyrl.objectives.token_advantages import gae_advantages_and_returns
+from polyrl.registry import ADVANTAGES
+from polyrl.rollout.collect import NoUsableGroups, RolloutBatch, collect
+from polyrl.rollout.generator import SamplingParams
+from polyrl.rollout.hf import HFGenerator
+from polyrl.tasks.base import Prompt, Task
+from polyrl.types import LossInputs, Normalizer, group_token_counts
+
+
+class TrainingError(RuntimeError):
+    """Training cannot go on (e.g. too many non-finite losses in a row); the message says why."""
+
+
+@dataclass
+class TrainState:
+    """Everything besides weights and optimizer that an exact resume needs."""
+
+    step: int = 0
+    data_pos: int = 0  # prompts drawn from the training stream so far
+    history: dict[int, float] | None = None  # pool index -> best pass rate (no-positive-resampling)
+    bad_steps: int = 0  # consecutive steps with a non-finite loss
+    skipped_total: int = 0  # optimizer steps skipped for a non-finite loss
+    empty_steps: int = 0  # RL steps without update because every group was filtered out
+    eval_before: float | None = None
+
+
+@dataclass
+class Components:
+    """The live objects of one run, built once by ``train`` and used by every ``rl_step``."""
+
+    learner: LocalLearner
+    generator: HFGenerator
+    task: Task
+    draw: Callable[[int, int], list[tuple[int, Prompt]]]  # training prompt stream
+    boundaries: frozenset[int]  # token ids that end a sub-sentence (segment ids for SSPO)
+    reference: torch.nn.Module | None = None  # frozen (or synced) reference policy
+    critic: ValueHead | None = None
+    critic_opt: torch.optim.Optimizer | None = None
+    topk: int = 0  # top-K support size when the trust region reads it
+
+
+def evaluate(generator: HFGenerator, task: Task, prompts: list[Prompt], max_new_tokens: int) -> float:
+    """Held-out greedy accuracy: mean task reward of one greedy completion per prompt."""
+    samples = generator.generate([p.text for p in prompts], SamplingParams(n=1, temperature=0.0,
+                                                                           max_new_tokens=max_new_tokens))
+    return float(np.mean([task.reward(prompts[s.prompt_index], s.text)[0] for s in samples]))
+
+
+def prompt_stream(task: Task, seed: int, pool_size: int = 100_000) -> Callable[[int, int], list[tuple[int, Prompt]]]:
+    """Deterministic training stream: ``draw(pos, k)`` returns the k prompts after position ``pos``.
+
+    The task's seeded shuffle cycles through the train split, so position alone fixes the data
+    (which is what makes resume exact).
+    """
+    pool = task.prompts("train", pool_size, seed)
+    index = {p.id: i for i, p in enumerate(pool)}
+
+    def draw(pos: int, k: int) -> list[tuple[int, Prompt]]:
+        picked = [pool[(pos + j) % len(pool)] for j in range(k)]
+        return [(index[p.id], p) for p in picked]
+
+    return draw
+
+
+def _state_dict(state: TrainState, critic_opt) -> dict[str, Any]:
+    out = dict(vars(state))
+    if critic_opt is not None:
+        out["critic_optimizer"] = critic_opt.state_dict()
+    return out
+
+
+def _seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def _advantages(method: Method, batch: RolloutBatch, mask: torch.Tensor, values, token_rewards) -> torch.Tensor:
+    spec = method.advantage
+    # Estimators tagged "channels" (GDPO) normalise each reward channel separately when the task has several.
+    per_channel = "channels" in ADVANTAGES.spec(spec.name).tags and batch.channels is not None
+    rewards = batch.channels if per_channel else batch.rewards
+    adv = ADVANTAGES.fn(spec.name)(rewards.double(), batch.group_ids, mask.double(), values, token_rewards,
+                                   **spec.params)
+    adv = adv.float()
+    return adv[:, None].expand_as(mask).contiguous() if adv.dim() == 1 else adv
+
+
+def train(cfg: TrainConfig, method: Method, *, model_dir: str, task: Task, run_dir: str,
+          console: Console | None = None) -> dict[str, Any]:
+    """Run RL training as configured; return the summary also written to ``run_dir/summary.json``."""
+    console = console or Console()
+    _seed_everything(cfg.seed)
+    from polyrl.model import load_policy
+
+    policy, tokenizer = load_policy(model_dir, dtype=cfg.dtype, threads=cfg.threads or None)
+    learner = LocalLearner(policy, lr=cfg.lr, weight_decay=cfg.weight_decay, warmup_steps=cfg.warmup_steps,
+                           max_grad_norm=cfg.max_grad_norm, temperature=cfg.temperature, top_p=cfg.top_p,
+                           top_k=cfg.top_k, fp32_head=cfg.fp32_lm_head, micro_batch_size=cfg.micro_batch_size)
+    # The reference is a frozen copy of the starting model (synced to the policy by Humanline presets).
+    reference = copy.deepcopy(policy).eval().requires_grad_(False) if method.needs_ref else None
+    critic = ValueHead(copy.deepcopy(policy)) if method.needs_values else None
+    critic_opt = torch.optim.AdamW(critic.parameters(), lr=cfg.critic_lr) if critic is not None else None
+    generator = HFGenerator(policy, tokenizer)  # shares the policy module: weights are always current
+    topk = TOPK if method.needs_topk else 0
+    draw = prompt_stream(task, cfg.seed)
+    eval_prompts = task.prompts("test", cfg.eval_prompts, seed=0)
+
+    run = Path(run_dir)
+    state = TrainState(history={})
+    extra = {"critic": critic} if critic is not None else {}
+    if reference is not None and method.ref_sync_every:
+        extra["reference"] = reference  # a synced reference is state; a frozen one is the starting model
+    resume_from = latest_checkpoint(run) if cfg.resume else None
+    if resume_from is not None:
+        saved = load_checkpoint(resume_from, model=policy, optimizer=learner.optimizer, scheduler=learner.scheduler,
+                                extra_models=extra)
+        critic_opt_state = saved.pop("critic_optimizer", None)
+        state = TrainState(**saved)
+        if critic_opt is not None and critic_opt_state is not None:
+            critic_opt.load_state_dict(critic_opt_state)
+        console.print(f"resumed from {resume_from} at step {state.step}")
+
+    parts = Components(learner=learner, generator=generator, task=task, draw=draw,
+                       boundaries=boundary_token_ids(tokenizer), reference=reference, critic=critic,
+                       critic_opt=critic_opt, topk=topk)
+    logger = RunLogger(run, tensorboard=cfg.tensorboard, wandb=cfg.wandb, console=console,
+                       table_every=cfg.log_every, config=to_dict(cfg))
+    if state.eval_before is None:
+        state.eval_before = evaluate(generator, task, eval_prompts, cfg.max_new_tokens)
+        logger.log(state.step, {"eval/accuracy": state.eval_before})
+    console.print(f"[bold]{method.name}[/] on {task.name}: held-out accuracy before = {state.eval_before:.3f}")
+
+    started = time.perf_counter()
+    steps_done = rollouts = 0
+    with Progress(TextColumn("[bold]RL"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  TextColumn("{task.fields[info]}"), console=console, transient=False) as bar:
+        task_bar = bar.add_task("train", total=cfg.steps, completed=state.step, info="")
+        while state.step < cfg.steps:
+            t0 = time.perf_counter()
+            metrics = rl_step(cfg, method, state, parts)
+            state.step += 1
+            steps_done += 1
+            rollouts += int(metrics["rollout/generated"])
+            metrics["perf/step_seconds"] = time.perf_counter() - t0
+            metrics["perf/lr"] = learner.lr
+            if cfg.eval_every and state.step % cfg.eval_every == 0 and state.step < cfg.steps:
+                metrics["eval/accuracy"] = evaluate(generator, task, eval_prompts, cfg.max_new_tokens)
+            logger.log(state.step, metrics)
+            bar.update(task_bar, advance=1, info=f"reward {metrics.get('reward/mean', float('nan')):.3f}")
+            if cfg.checkpoint_every and state.step % cfg.checkpoint_every == 0 and state.step < cfg.steps:
+                save_checkpoint(run, state.step, **learner.state(), state=_state_dict(state, critic_opt),
+                                extra_models=extra)
+
+    eval_after = evaluate(generator, task, eval_prompts, cfg.max_new_tokens)
+    logger.log(state.step, {"eval/accuracy": eval_after})
+    save_checkpoint(run, state.step, **learner.state(), state=_state_dict(state, critic_opt), extra_models=extra)
+    wall = time.perf_counter() - started
+    logger.close()
+    summary = {
+        "method": method.name, "task": task.name, "model": model_dir, "steps": state.step,
+        "eval_before": state.eval_before, "eval_after": eval_after, "wall_seconds": wall,
+        "seconds_per_step": wall / max(1, steps_done), "rollouts_per_second": rollouts / max(wall, 1e-9),
+        "skipped_steps": state.skipped_total, "peak_rss_mb": peak_rss_mb(),
+    }
+    write_summary(run, summary)
+    plot_curves(logger.history, run / "curves.png")
+    return summary
+
+
+TOPK = 8  # support size for trust regions that read top-K log-probs (tag "needs_topk")
+
+
+def rl_step(cfg: TrainConfig, method: Method, state: TrainState, parts: Components) -> dict[str, float]:
+    """One RL step: collect, score, advantages, update. Returns the step's metrics."""
+    learner, generator, reference, critic, topk = (parts.learner, parts.generator, parts.reference, parts.critic,
+                                                   parts.topk)
+    # 1. collect ----------------------------------------------------------------------------------
+    def draw_next(k: int) -> list[tuple[int, Prompt]]:
+        out = parts.draw(state.data_pos, k)
+        state.data_pos += k
+        return out
+
+    params = SamplingParams(n=cfg.group_size, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
+                            top_p=cfg.top_p, top_k=cfg.top_k or None, seed=cfg.seed * 1_000_003 + state.step)
+    try:
+        batch = collect(generator, parts.task, method, draw_next, num_groups=cfg.prompts_per_step, params=params,
+                        history=state.history, max_rounds=cfg.max_gen_rounds)
+    except NoUsableGroups as e:  # dynamic sampling found no group with signal: no update this step
+        state.empty_steps += 1
+        return {**e.stats, "rollout/empty_steps": float(state.empty_steps)}
+    tb = TokenBatch.from_samples(batch.samples, generator.pad_id)
+    mask = tb.completion_mask * batch.keep[:, None].float()  # [B, T] tokens that count for the loss
+    T = tb.completion_mask.shape[1]
+    seg_ids = segment_ids(tb.input_ids[:, -T:], tb.completion_mask, parts.boundaries)
+    turn_ids = torch.zeros_like(seg_ids)  # single-turn tasks: one agent turn per completion
+
+    # 2. score at the rollout weights -----------------------------------------------------------------
+    if method.ref_sync_every and state.step % method.ref_sync_every == 0:
+        reference.load_state_dict(learner.model.state_dict())  # Humanline: reference = recent policy
+    old = learner.logprobs_nograd(tb, topk=topk)
+    ref_logp = learner.logprobs_nograd(tb, model=reference).logp if reference is not None else None
+    values = None
+    if critic is not None:
+        with torch.no_grad():
+            values = critic(tb) * tb.completion_mask
+
+    # 3. advantages ----------------------------------------------------------------------------------
+    token_rewards = None
+    if method.kl_placement == "reward" and ref_logp is not None:
+        token_rewards = -kl_reward_penalty(method, old.logp, ref_logp, tb.completion_mask).double()
+    adv = _advantages(method, batch, tb.completion_mask, values.double() if values is not None else None,
+                      token_rewards)
+    returns = None
+    if critic is not None:
+        gae = method.advantage.params
+        _, returns = gae_advantages_and_returns(batch.rewards.double(), values.double(), tb.completion_mask.double(),
+                                                token_rewards, gamma=gae.get("gamma", 1.0), lam=gae.get("lam", 1.0))
+        returns = returns.float()
+
+    # 4. update: epochs x minibatches x micro-batches ------------------------------------------------
+    B = tb.input_ids.shape[0]
+    micro_sums: dict[str, float] = {}  # per micro-batch metrics, averaged at the end
+    step_sums: dict[str, float] = {}  # per optimizer step metrics
+    n_micro = n_steps = 0
+    step_gen = torch.Generator().manual_seed(cfg.seed * 7919 + state.step)
+    for _epoch in range(cfg.epochs_per_batch):
+        order = torch.randperm(B, generator=step_gen) if cfg.minibatches > 1 else torch.arange(B)
+        for mb in order.chunk(cfg.minibatches):
+            # One global normalizer per optimizer step: micro-batching never changes loss or gradient.
+            norm = Normalizer.from_batch(mask[mb], batch.group_ids[mb], horizon=cfg.max_new_tokens)
+            group_tokens = group_token_counts(mask[mb], batch.group_ids[mb])
+            finite = True
+            for micro in torch.arange(len(mb)).split(cfg.micro_batch_size):
+                rows = mb[micro]
+                cur = learner.logprobs(tb.rows(rows), grad=True, topk=topk)
+                inputs = LossInputs(
+                    logp=cur.logp, old_logp=old.logp[rows], adv=adv[rows], mask=mask[rows], normalizer=norm,
+                    rollout_logp=tb.rollout_logp[rows], ref_logp=None if ref_logp is None else ref_logp[rows],
+                    entropy=cur.entropy.detach(), group_ids=batch.group_ids[rows], group_tokens=group_tokens[micro],
+                    segment_ids=seg_ids[rows], turn_ids=turn_ids[rows], topk_ids=cur.topk_ids, topk_logp=cur.topk_logp,
+                    old_topk_logp=None if old.topk_logp is None else old.topk_logp[rows],
+                    rollout_topk_logp=None if old.topk_logp is None else old.topk_logp[rows],
+                )
+                out = policy_loss(inputs, method)
+                if not torch.isfinite(out.loss):
+                    finite = False
+                    break
+                learner.backward(out.loss)
+                n_micro += 1
+                for k, v in {**out.metrics, "objective/loss": out.loss.detach()}.items():
+                    micro_sums[k] = micro_sums.get(k, 0.0) + float(v)
+            if not finite:  # skip the step, count it, stop when it keeps happening
+                learner.skip_step()
+                state.bad_steps += 1
+                state.skipped_total += 1
+                if state.bad_steps >= cfg.max_bad_steps:
+                    raise TrainingError(
+                        f"{state.bad_steps} optimizer steps in a row had a non-finite loss (step {state.step}); "
+                        "lower lr or check the method's settings"
+                    )
+                continue
+            state.bad_steps = 0
+            n_steps += 1
+            step_sums["perf/grad_norm"] = step_sums.get("perf/grad_norm", 0.0) + learner.step()
+            if critic is not None:
+                v_loss = clipped_value_loss(critic(tb.rows(mb)), values[mb], returns[mb], tb.completion_mask[mb],
+                                            cfg.value_clip)
+                parts.critic_opt.zero_grad(set_to_none=True)
+                v_loss.backward()
+                parts.critic_opt.step()
+                step_sums["critic/value_loss"] = step_sums.get("critic/value_loss", 0.0) + float(v_loss.detach())
+
+    # 5. metrics -------------------------------------------------------------------------------------
+    metrics = {k: v / max(1, n_micro) for k, v in micro_sums.items()}
+    metrics.update({k: v / max(1, n_steps) for k, v in step_sums.items()})
+    lengths = batch.lengths.float()
+    metrics.update(batch.stats)
+    metrics.update({
+        "reward/mean": float(batch.scores.mean()),
+        "reward/shaped_mean": float(batch.rewards.mean()),
+        "reward/std": float(batch.scores.std()) if len(batch.scores) > 1 else 0.0,
+        "rollout/mean_len": float(lengths.mean()),
+        "rollout/truncated_frac": float(batch.truncated.float().mean()),
+        "rollout/kept_frac": float(batch.keep.float().mean()),
+        "objective/adv_abs_mean": float(masked_mean(adv.abs(), mask)),
+        "rollout/rollout_vs_old_kl": float(masked_mean((tb.rollout_logp - old.logp).abs(), tb.completion_mask)),
+    })
+    metrics["perf/skipped_steps"] = float(state.skipped_total)
+    return metrics

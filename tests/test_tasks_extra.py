@@ -1,0 +1,103 @@
+"""Countdown, math word problems from local files, and reward functions by import path."""
+
+from __future__ import annotations
+
+import json
+from fractions import Fraction
+
+import pytest
+
+from polyrl.tasks.countdown import CountdownError, CountdownTask, evaluate_expression
+from polyrl.tasks.math import MathTask
+from polyrl.tasks.rewards import WithRewardChannels, load_callable
+
+
+def test_countdown_checker_accepts_any_valid_expression():
+    assert evaluate_expression("(25-7)*3", [3, 7, 25]) == 54
+    assert evaluate_expression("25/(7-3)", [3, 7, 25]) == Fraction(25, 4)
+    for bad, why in [("25+25", "not available"), ("3+8", "not available"), ("2**3", "only integers"),
+                     ("7/(3-3)", "division by zero"), ("3+", "not an arithmetic")]:
+        with pytest.raises(CountdownError, match=why):
+            evaluate_expression(bad, [3, 7, 25, 2] if "**" in bad else [3, 7, 25])
+    with pytest.raises(CountdownError, match="every number"):
+        evaluate_expression("3+7", [3, 7, 25], use_all=True)
+
+
+def test_countdown_prompts_are_solvable_deterministic_and_disjoint():
+    task = CountdownTask()
+    train, test = task.prompts("train", 200, seed=1), task.prompts("test", 50, seed=1)
+    assert [p.id for p in train] == [p.id for p in task.prompts("train", 200, seed=1)]
+    assert not {p.id for p in train} & {p.id for p in test}
+    # every target is reachable: brute force over expressions of two numbers or all three
+    import itertools
+
+    def reachable(nums, target):
+        frontier = [[(Fraction(n), str(n)) for n in nums]]
+        while frontier:
+            pool = frontier.pop()
+            if any(v == target for v, _ in pool):
+                return True
+            for (i, a), (j, b) in itertools.permutations(enumerate(pool), 2):
+                rest = [x for k, x in enumerate(pool) if k not in (i, j)]
+                for v, e in ((a[0] + b[0], "+"), (a[0] - b[0], "-"), (a[0] * b[0], "*")) + (
+                        ((a[0] / b[0], "/"),) if b[0] else ()):
+                    frontier.append(rest + [(v, e)])
+        return False
+
+    for p in train[:30]:
+        nums = [int(x) for x in p.text.split(":")[0].split()]
+        assert reachable(nums, Fraction(int(p.answer))), p.text
+
+
+def test_countdown_reward():
+    task = CountdownTask()
+    p = task.prompts("train", 1, seed=0)[0]
+    assert task.reward(p, "")[0] == 0.0
+    nums = [int(x) for x in p.text.split(":")[0].split()]
+    assert task.reward(p, "+".join(map(str, nums)))[0] == float(sum(nums) == int(p.answer))
+
+
+def _write_jsonl(path, rows):
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+
+
+def test_math_task_from_jsonl_and_parquet(tmp_path):
+    rows = [{"question": f"What is {i} + {i}?", "answer": str(2 * i)} for i in range(60)]
+    rows.append({"question": "Half of one?", "answer": "\\frac{1}{2}"})
+    _write_jsonl(tmp_path / "m.jsonl", rows)
+    task = MathTask(str(tmp_path / "m.jsonl"))
+    train, test = task.prompts("train", 40, 0), task.prompts("test", 3, 0)
+    assert not {p.id for p in train} & {p.id for p in test}
+    half = MathTask(str(tmp_path / "m.jsonl"), test_percent=0)
+    p = next(p for p in half.prompts("train", 61, 0) if "Half" in p.text)
+    assert half.reward(p, "It is 0.5")[0] == 1.0
+    assert half.reward(p, "It is 0.25")[0] == 0.0
+    assert half.reward(p, "no idea")[0] == 0.0
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"problem": [r["question"] for r in rows], "solution": [r["answer"] for r in rows]}),
+                   tmp_path / "m.parquet")
+    assert len(MathTask(str(tmp_path / "m.parquet"), test_percent=0).prompts("train", 61, 0)) == 61
+
+
+def test_math_task_names_a_missing_column(tmp_path):
+    _write_jsonl(tmp_path / "bad.jsonl", [{"question": "1+1?", "result": "2"}])
+    with pytest.raises(ValueError, match=r"no answer column .*its columns: question, result"):
+        MathTask(str(tmp_path / "bad.jsonl"))
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        MathTask(str(tmp_path / "none.jsonl"))
+
+
+def test_reward_functions_by_import_path_and_channels(tmp_path):
+    (tmp_path / "my_rewards.py").write_text(
+        "def short(prompts, completions, **kw):\n    return [1.0 if len(c) < 3 else 0.0 for c in completions]\n")
+    fn = load_callable(f"{tmp_path / 'my_rewards.py'}:short")
+    assert fn(prompts=["a"], completions=["xy"]) == [1.0]
+    task = WithRewardChannels(CountdownTask(), ["task", f"{tmp_path / 'my_rewards.py'}:short"], [1.0, 0.5])
+    p = task.prompts("train", 1, 0)[0]
+    total, info = task.reward(p, "1")
+    assert info["channels"][1] == 1.0 and total == pytest.approx(info["channels"][0] + 0.5)
+    for bad, why in [("nomodule_xyz:f", "cannot import"), ("polyrl.tasks:nothing", "no callable"), ("f", "write it")]:
+        with pytest.raises(ValueError, match=why):
+            load_callable(bad)

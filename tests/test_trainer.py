@@ -1,0 +1,155 @@
+"""The training engine end to end on a tiny local model: every preset, exact resume, bad configs."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+import torch
+from rich.console import Console
+
+from polyrl.cli import main
+from polyrl.config import TrainConfig
+from polyrl.methods import PRESETS, get_method
+from polyrl.tasks.arithmetic import AdditionTask
+from polyrl.tasks.rewards import WithRewardChannels
+from polyrl.tinylm import build_tiny_llama
+from polyrl.trainer import train
+
+QUIET = Console(file=io.StringIO(), width=120)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    return str(build_tiny_llama(tmp_path_factory.mktemp("tiny"), hidden=32, layers=2, heads=2, seed=0))
+
+
+def _cfg(**kw) -> TrainConfig:
+    base = dict(steps=2, prompts_per_step=2, group_size=4, max_new_tokens=6, eval_prompts=8, eval_every=0,
+                checkpoint_every=0, tensorboard=False, log_every=0, lr=1e-3, warmup_steps=0, threads=1)
+    return TrainConfig(**{**base, **kw})
+
+
+def _task():
+    # A dense reward (share of digits) so that every group has variance even before any training.
+    return WithRewardChannels(AdditionTask(), ["tests.reward_fns:digit_fraction"])
+
+
+def _weights(model_dir):
+    from polyrl.model import load_policy
+
+    return {k: v.clone() for k, v in load_policy(model_dir, threads=1)[0].state_dict().items()}
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_every_preset_trains_a_few_steps(name, tiny_model, tmp_path):
+    summary = train(_cfg(), get_method(name), model_dir=tiny_model, task=_task(), run_dir=str(tmp_path), console=QUIET)
+    assert summary["steps"] == 2 and summary["skipped_steps"] == 0
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "reward/mean" in r]
+    assert len(steps) == 2
+    for r in steps:
+        assert "objective/loss" in r and "objective/ratio_mean" in r and "rollout/utilization" in r
+        assert all(v == v for v in r.values()), r  # no NaN
+        assert r["rollout/rollout_vs_old_kl"] < 1e-4  # recomputed old log-probs == sampler's
+    from safetensors.torch import load_file
+
+    ck = sorted((tmp_path / "checkpoints").glob("step_*"))[-1]
+    trained = load_file(str(ck / "model.safetensors"))
+    start = _weights(tiny_model)
+    changed = sum(not torch.equal(trained[k], start[k]) for k in trained if k in start)
+    assert changed > 0, "no parameter changed"
+    assert (tmp_path / "summary.json").exists() and (tmp_path / "curves.png").exists()
+
+
+@pytest.mark.parametrize("name", ["grpo", "ppo"])
+def test_resume_equals_uninterrupted_training_bit_for_bit(name, tiny_model, tmp_path):
+    method = get_method(name)
+    train(_cfg(steps=4), method, model_dir=tiny_model, task=_task(), run_dir=str(tmp_path / "a"), console=QUIET)
+    train(_cfg(steps=2), method, model_dir=tiny_model, task=_task(), run_dir=str(tmp_path / "b"), console=QUIET)
+    train(_cfg(steps=4, resume=True), method, model_dir=tiny_model, task=_task(), run_dir=str(tmp_path / "b"),
+          console=QUIET)
+    from safetensors.torch import load_file
+
+    a = load_file(str(tmp_path / "a" / "checkpoints" / "step_000004" / "model.safetensors"))
+    b = load_file(str(tmp_path / "b" / "checkpoints" / "step_000004" / "model.safetensors"))
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+def _run_cli(args, capsys):
+    code = main(args)
+    err = capsys.readouterr().err.strip()
+    return code, err
+
+
+def test_cli_train_smoke(tiny_model, tmp_path, capsys):
+    code, err = _run_cli(["train", "--model", tiny_model, "--steps", "1", "--prompts-per-step", "2",
+                          "--group-size", "2", "--eval-prompts", "4", "--run-dir", str(tmp_path / "r"),
+                          "--no-tensorboard", "--trust-region", "clip:eps_high=0.28"], capsys)
+    assert code == 0, err
+    saved = json.loads((tmp_path / "r" / "config.json").read_text())
+    assert saved["method"]["trust_region"]["params"]["eps_high"] == 0.28
+    assert json.loads((tmp_path / "r" / "summary.json").read_text())["steps"] == 1
+
+
+def _bad_cases(tiny_model, tmp):
+    no_tok = tmp / "no_tok"
+    no_tok.mkdir()
+    (no_tok / "config.json").write_text("{}")
+    bad_data = tmp / "bad.jsonl"
+    bad_data.write_text('{"question": "1+1?", "result": "2"}\n')
+    toml_key = tmp / "key.toml"
+    toml_key.write_text("learning_rate = 0.1\n")
+    toml_type = tmp / "type.toml"
+    toml_type.write_text('steps = "ten"\n')
+    m = ["--model", tiny_model]
+    return [
+        (["train", "--method", "grpoo", *m], "unknown method 'grpoo'"),
+        (["train", "--trust-region", "clip:eps=0.1", *m], "unknown parameter 'eps'"),
+        (["train", "--lr", "-0.0001", *m], "lr = -0.0001"),
+        (["train", "--group-size", "1", *m], "group_size = 1 is not allowed with advantage 'grpo'"),
+        (["train", "--top-p", "1.5", *m], "top_p = 1.5"),
+        (["train", "--model", str(tmp / "missing")], "must be an existing local model directory"),
+        (["train", "--model", str(no_tok)], "no tokenizer"),
+        (["train", "--task", "chess", *m], "unknown task 'chess'"),
+        (["train", "--task", "math", "--data-file", str(bad_data), *m], "no answer column"),
+        (["train", "--minibatches", "3", *m], "minibatches = 3"),
+        (["train", "--config", str(toml_key), *m], "unknown field 'learning_rate'"),
+        (["train", "--config", str(toml_type), *m], "steps = 'ten' must be int"),
+        (["train", "--steps", "ten", *m], "argument --steps: invalid int value: 'ten'"),
+        (["train", "--resume", "--run-dir", str(tmp / "empty_run"), *m], "has no checkpoint"),
+        (["train", "--aggregation", "mean", *m], "unknown aggregation 'mean'"),
+        (["train", "--temperature", "0", *m], "temperature = 0"),
+    ]
+
+
+def test_bad_configs_are_one_line_with_exit_code_2(tiny_model, tmp_path, capsys):
+    cases = _bad_cases(tiny_model, tmp_path)
+    assert len(cases) >= 12
+    for args, fragment in cases:
+        try:
+            code, err = _run_cli(args, capsys)
+        except SystemExit as e:  # argparse's own errors (one line too, see OneLineParser)
+            code, err = e.code, capsys.readouterr().err.strip()
+        assert code == 2, (args, err)
+        lines = err.splitlines()
+        assert len(lines) == 1 and fragment in lines[0], (args, err)
+
+
+def test_corrupt_checkpoint_and_existing_run_dir(tiny_model, tmp_path, capsys):
+    run = tmp_path / "run"
+    args = ["train", "--model", tiny_model, "--steps", "1", "--prompts-per-step", "2", "--group-size", "2",
+            "--eval-prompts", "4", "--run-dir", str(run), "--no-tensorboard"]
+    assert _run_cli(args, capsys)[0] == 0
+    code, err = _run_cli(args, capsys)
+    assert code == 2 and "already holds checkpoints" in err
+    ck = sorted((run / "checkpoints").glob("step_*"))[-1]
+    with open(ck / "model.safetensors", "r+b") as f:
+        f.seek(-3, 2)
+        f.write(b"xyz")
+    code, err = _run_cli([*args, "--resume", "--steps", "2"], capsys)
+    assert code == 2 and "does not match its checksum" in err and len(err.splitlines()) == 1
+
