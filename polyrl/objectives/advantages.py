@@ -202,7 +202,9 @@ def _check_gdpo(p: dict) -> str | None:
     return None
 
 
-@ADVANTAGES.register("gdpo", paper="arXiv:2601.05242", ranges={"eps": ">=0"}, check=_check_gdpo, tags=("needs_groups", "channels"))
+@ADVANTAGES.register(
+    "gdpo", paper="arXiv:2601.05242", ranges={"eps": ">=0"}, check=_check_gdpo, tags=("needs_groups", "channels")
+)
 def gdpo(
     rewards: Tensor,
     group_ids: Tensor,
