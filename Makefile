@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/polyrl methods
+	$(BIN)/polyrl train --overwrite
 
 test: $(STAMP)
 	$(BIN)/python -m pytest

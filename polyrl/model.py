@@ -98,6 +98,39 @@ def process_logits(
     return z
 
 
+def linear_head(model: nn.Module) -> nn.Linear:
+    """Return the model's LM head, refusing models whose logits are more than ``head(hidden)``.
+
+    Both the sampler and ``completion_logprobs`` compute logits as ``head_logits(hidden, head)``
+    from the base model's final hidden states, so a model that rescales or soft-caps its logits
+    (Gemma 2, Cohere, Granite) would be silently wrong: it is refused with a clear error instead.
+    """
+    config = model.config.to_dict()
+    if config.get("final_logit_softcapping") is not None:
+        raise ValueError("models with final_logit_softcapping (Gemma 2/3) are not supported")
+    for key in ("logit_scale", "logits_scaling"):
+        if config.get(key) not in (None, 1.0):
+            raise ValueError(f"models with {key}={config[key]} (rescaled logits) are not supported")
+    head = model.get_output_embeddings()
+    if not isinstance(head, nn.Linear):
+        raise TypeError(f"the LM head must be an nn.Linear, got {type(head).__name__}")
+    return head
+
+
+def head_logits(states: Tensor, head: nn.Linear, *, fp32_head: bool = False) -> Tensor:
+    """Logits [..., V] of hidden states [..., H], upcast to at least float32.
+
+    ``fp32_head`` (ScaleRL, arXiv 2510.13786) casts the states and the head weights to float32
+    before the matmul instead of only upcasting its result.
+    """
+    weight, bias = head.weight, head.bias
+    if fp32_head:
+        states, weight = states.float(), weight.float()
+        bias = bias.float() if bias is not None else None
+    logits = F.linear(states, weight, bias)
+    return logits.to(torch.promote_types(logits.dtype, torch.float32))
+
+
 @dataclass
 class TokenLogprobs:
     """Per-token outputs of ``completion_logprobs``; 0 at positions where completion_mask == 0."""
@@ -135,8 +168,8 @@ def completion_logprobs(
     ``topk`` = K > 0 also returns top-K ids/log-probs: column 0 is the scored token, columns
     1..K-1 the K-1 most probable other tokens of this model's processed distribution. Passing
     ``topk_ids`` [B, T, K] instead evaluates the log-probs at those ids (the rollout policy's
-    support, for DPPO-style trust regions). ``fp32_head`` casts hidden states and head weights to
-    float32 before the head (ScaleRL); logits are always upcast to at least float32 per chunk.
+    support, for DPPO-style trust regions). ``fp32_head``: see ``head_logits``; logits are always
+    upcast to at least float32 per chunk.
     Gradients flow to every model parameter through ``logp``, ``entropy`` and ``topk_logp``.
     """
     if input_ids.dim() != 2 or attention_mask.shape != input_ids.shape:
@@ -156,11 +189,7 @@ def completion_logprobs(
         raise ValueError(f"topk must be >= 0, got {topk}")
     if topk_ids is not None and (topk_ids.dim() != 3 or topk_ids.shape[:2] != completion_mask.shape):
         raise ValueError(f"topk_ids must be [B, T, K] matching completion_mask, got {tuple(topk_ids.shape)}")
-    if model.config.to_dict().get("final_logit_softcapping") is not None:
-        raise ValueError("models with final_logit_softcapping are not supported by completion_logprobs")
-    head = model.get_output_embeddings()
-    if not isinstance(head, nn.Linear):
-        raise TypeError(f"completion_logprobs needs an nn.Linear LM head, got {type(head).__name__}")
+    head = linear_head(model)
     if topk > head.out_features:
         raise ValueError(f"topk={topk} exceeds the vocabulary size {head.out_features}")
 
@@ -186,8 +215,7 @@ def completion_logprobs(
             states[start : start + chunk_size],
             targets[start : start + chunk_size],
             None if given_ids is None else given_ids[start : start + chunk_size],
-            head.weight,
-            head.bias,
+            head,
         )
         if needs_graph:
             pieces.append(checkpoint(_head_chunk, *args, use_reentrant=False, **settings))
@@ -215,8 +243,7 @@ def _head_chunk(
     states: Tensor,
     targets: Tensor,
     given_ids: Tensor | None,
-    weight: Tensor,
-    bias: Tensor | None,
+    head: nn.Linear,
     *,
     temperature: float,
     top_k: int | None,
@@ -226,16 +253,14 @@ def _head_chunk(
     fp32_head: bool,
 ) -> tuple[Tensor | None, ...]:
     """Head, sampling filters and per-token statistics for N tokens: (logp, entropy, ids, topk_logp)."""
-    if fp32_head:
-        states, weight = states.float(), weight.float()
-        bias = bias.float() if bias is not None else None
-    logits = F.linear(states, weight, bias)  # [N, V]
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    logits = head_logits(states, head, fp32_head=fp32_head)  # [N, V]
     logprobs = process_logits(logits, temperature=temperature, top_k=top_k, top_p=top_p).log_softmax(dim=-1)
     logp = logprobs.gather(-1, targets[:, None]).squeeze(-1)  # [N]
     entropy = None
     if with_entropy:
-        finite = logprobs.masked_fill(torch.isinf(logprobs), 0.0)  # 0 * -inf would give nan (and nan grads)
+        filtered = top_k is not None or (top_p is not None and top_p < 1.0)
+        # Filtered entries are -inf and 0 * -inf would give nan (and nan gradients): zero them first.
+        finite = logprobs.masked_fill(torch.isinf(logprobs), 0.0) if filtered else logprobs
         entropy = -(logprobs.exp() * finite).sum(dim=-1)
     ids = given_ids
     if ids is None and topk > 0:

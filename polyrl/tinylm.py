@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from polyrl.rollout.generator import SamplingParams
 from polyrl.rollout.hf import HFGenerator
@@ -36,6 +36,7 @@ DEFAULT_CHARSET = (
     "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
 )
 META_FILE = "warmstart.json"
+WARMUP_STEPS = 50  # linear learning-rate warm-up of the supervised warm-start
 
 
 def build_char_tokenizer(charset: str = DEFAULT_CHARSET):
@@ -136,7 +137,7 @@ def warmstart(
     *,
     threshold: float = 0.30,
     max_steps: int = 20_000,
-    eval_every: int = 100,
+    eval_every: int = 25,
     seed: int = 0,
     lr: float = 3e-3,
     batch_size: int = 128,
@@ -198,10 +199,12 @@ def _train(model, tokenizer, task: Task, *, threshold: float, max_steps: int, ev
     greedy = SamplingParams(n=1, max_new_tokens=answer_tokens + 2, temperature=0.0)
     generator = HFGenerator(model, tokenizer)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.0)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (WARMUP_STEPS + 1)))
     best = 0.0
-    with Progress(TextColumn("[bold]warm-start {task.fields[name]}"), BarColumn(), TextColumn(
-            "step {task.completed:.0f}  loss {task.fields[loss]:.3f}  acc {task.fields[acc]:.3f}/{task.fields[target]:.2f}"),
-            TimeElapsedColumn(), disable=not progress, transient=False) as bar:
+    status = "step {task.completed:.0f}  loss {task.fields[loss]:.3f}  acc {task.fields[acc]:.3f}"
+    with Progress(SpinnerColumn(), TextColumn("[bold]warm-start {task.fields[name]} to {task.fields[target]:.2f}"),
+                  TextColumn(status),
+                  TimeElapsedColumn(), disable=not progress) as bar:
         job = bar.add_task("train", total=max_steps, name=task.name, loss=float("nan"), acc=0.0, target=threshold)
         for step in range(1, max_steps + 1):
             model.train()
@@ -216,6 +219,7 @@ def _train(model, tokenizer, task: Task, *, threshold: float, max_steps: int, ev
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
+            schedule.step()
             bar.update(job, completed=step, loss=loss.item())
             if step % eval_every == 0 or step == max_steps:
                 model.eval()

@@ -61,6 +61,7 @@ class TrainState:
     skipped_total: int = 0  # optimizer steps skipped for a non-finite loss
     empty_steps: int = 0  # RL steps without update because every group was filtered out
     eval_before: float | None = None
+    last_samples: list | None = None  # a few (prompt, completion, reward) of the latest batch, for samples.jsonl
 
 
 @dataclass
@@ -172,6 +173,7 @@ def train(cfg: TrainConfig, method: Method, *, model_dir: str, task: Task, run_d
 
     started = time.perf_counter()
     steps_done = rollouts = 0
+    step_seconds = 0.0  # time inside RL steps only (no evaluation or checkpointing)
     with Progress(TextColumn("[bold]RL"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   TextColumn("{task.fields[info]}"), console=console, transient=False) as bar:
         task_bar = bar.add_task("train", total=cfg.steps, completed=state.step, info="")
@@ -182,10 +184,13 @@ def train(cfg: TrainConfig, method: Method, *, model_dir: str, task: Task, run_d
             steps_done += 1
             rollouts += int(metrics["rollout/generated"])
             metrics["perf/step_seconds"] = time.perf_counter() - t0
+            step_seconds += metrics["perf/step_seconds"]
             metrics["perf/lr"] = learner.lr
             if cfg.eval_every and state.step % cfg.eval_every == 0 and state.step < cfg.steps:
                 metrics["eval/accuracy"] = evaluate(generator, task, eval_prompts, cfg.max_new_tokens)
             logger.log(state.step, metrics)
+            if cfg.log_every and state.step % cfg.log_every == 0 and state.last_samples:
+                logger.samples(state.step, state.last_samples)
             bar.update(task_bar, advance=1, info=f"reward {metrics.get('reward/mean', float('nan')):.3f}")
             if cfg.checkpoint_every and state.step % cfg.checkpoint_every == 0 and state.step < cfg.steps:
                 save_checkpoint(run, state.step, **learner.state(), state=_state_dict(state, critic_opt),
@@ -199,7 +204,8 @@ def train(cfg: TrainConfig, method: Method, *, model_dir: str, task: Task, run_d
     summary = {
         "method": method.name, "task": task.name, "model": model_dir, "steps": state.step,
         "eval_before": state.eval_before, "eval_after": eval_after, "wall_seconds": wall,
-        "seconds_per_step": wall / max(1, steps_done), "rollouts_per_second": rollouts / max(wall, 1e-9),
+        "seconds_per_step": step_seconds / max(1, steps_done),
+        "rollouts_per_second": rollouts / max(step_seconds, 1e-9),
         "skipped_steps": state.skipped_total, "peak_rss_mb": peak_rss_mb(),
     }
     write_summary(run, summary)
@@ -220,6 +226,7 @@ def rl_step(cfg: TrainConfig, method: Method, state: TrainState, parts: Componen
         state.data_pos += k
         return out
 
+    t_start = time.perf_counter()
     params = SamplingParams(n=cfg.group_size, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
                             top_p=cfg.top_p, top_k=cfg.top_k or None, seed=cfg.seed * 1_000_003 + state.step)
     try:
@@ -228,6 +235,7 @@ def rl_step(cfg: TrainConfig, method: Method, state: TrainState, parts: Componen
     except NoUsableGroups as e:  # dynamic sampling found no group with signal: no update this step
         state.empty_steps += 1
         return {**e.stats, "rollout/empty_steps": float(state.empty_steps)}
+    t_gen = time.perf_counter()
     tb = TokenBatch.from_samples(batch.samples, generator.pad_id)
     mask = tb.completion_mask * batch.keep[:, None].float()  # [B, T] tokens that count for the loss
     T = tb.completion_mask.shape[1]
@@ -258,6 +266,7 @@ def rl_step(cfg: TrainConfig, method: Method, state: TrainState, parts: Componen
         returns = returns.float()
 
     # 4. update: epochs x minibatches x micro-batches ------------------------------------------------
+    t_score = time.perf_counter()
     B = tb.input_ids.shape[0]
     micro_sums: dict[str, float] = {}  # per micro-batch metrics, averaged at the end
     step_sums: dict[str, float] = {}  # per optimizer step metrics
@@ -311,6 +320,14 @@ def rl_step(cfg: TrainConfig, method: Method, state: TrainState, parts: Componen
                 step_sums["critic/value_loss"] = step_sums.get("critic/value_loss", 0.0) + float(v_loss.detach())
 
     # 5. metrics -------------------------------------------------------------------------------------
+    t_end = time.perf_counter()
+    gen_tokens = float(batch.lengths.sum())
+    train_tokens = float(tb.attention_mask.sum()) * cfg.epochs_per_batch
+    perf = {"perf/gen_seconds": t_gen - t_start, "perf/score_seconds": t_score - t_gen,
+            "perf/update_seconds": t_end - t_score, "perf/gen_tokens_per_second": gen_tokens / (t_gen - t_start),
+            "perf/train_tokens_per_second": train_tokens / max(t_end - t_gen, 1e-9)}
+    state.last_samples = [{"prompt": p.text, "completion": s.text, "reward": float(r)}
+                          for p, s, r in list(zip(batch.prompts, batch.samples, batch.scores))[:4]]
     metrics = {k: v / max(1, n_micro) for k, v in micro_sums.items()}
     metrics.update({k: v / max(1, n_steps) for k, v in step_sums.items()})
     lengths = batch.lengths.float()
@@ -326,4 +343,5 @@ def rl_step(cfg: TrainConfig, method: Method, state: TrainState, parts: Componen
         "rollout/rollout_vs_old_kl": float(masked_mean((tb.rollout_logp - old.logp).abs(), tb.completion_mask)),
     })
     metrics["perf/skipped_steps"] = float(state.skipped_total)
+    metrics.update(perf)
     return metrics

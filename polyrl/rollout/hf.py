@@ -2,8 +2,9 @@
 
 Why not ``model.generate``: it does not return the log-probs of the *processed* distribution the
 tokens were drawn from in a form we can trust to match the trainer, and its warper stack is not
-the one ``completion_logprobs`` uses. This loop calls ``polyrl.model.process_logits`` — the same
-function the trainer calls — so recomputed log-probs equal rollout log-probs at the same weights.
+the one ``completion_logprobs`` uses. This loop computes logits with ``polyrl.model.head_logits``
+(optionally with the float32 head of ScaleRL) and filters them with ``process_logits`` — the same
+functions the trainer calls — so recomputed log-probs equal rollout log-probs at the same weights.
 
 Batches are LEFT padded with explicit position ids ``cumsum(attention_mask) - 1``; each step feeds
 one token per row with the cache (``past_key_values``). Rows that sampled EOS are dropped from the
@@ -17,19 +18,21 @@ import torch
 from torch import Tensor, nn
 from transformers import DynamicCache
 
-from polyrl.model import process_logits
+from polyrl.model import head_logits, linear_head, process_logits
 from polyrl.rollout.generator import Sample, SamplingParams
 
 
 class HFGenerator:
     """Sample completions from a transformers causal LM on its own device."""
 
-    def __init__(self, model: nn.Module, tokenizer, *, max_batch_size: int = 256) -> None:
+    def __init__(self, model: nn.Module, tokenizer, *, max_batch_size: int = 256, fp32_head: bool = False) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         self.model = model
+        self.head = linear_head(model)
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size
+        self.fp32_head = fp32_head  # float32 LM head, as completion_logprobs(fp32_head=True)
         eos = model.generation_config.eos_token_id
         eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
         if tokenizer.eos_token_id is not None:
@@ -101,16 +104,9 @@ class HFGenerator:
         rows = torch.arange(count, device=device)  # original row of each live batch row
         next_position = position_ids[:, -1] + 1  # [n]
         cache = DynamicCache(config=self.model.config)
-        logits = self.model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=1,
-        ).logits[:, -1]
+        logits = self._next_logits(input_ids, attention_mask, position_ids, cache)
         for step in range(steps):
-            token, logp = _pick(logits.float(), params, rng)
+            token, logp = _pick(logits, params, rng)
             tokens[rows, step] = token
             logps[rows, step] = logp
             lengths[rows] = step + 1
@@ -124,15 +120,20 @@ class HFGenerator:
                 attention_mask = attention_mask[live]
                 cache.batch_select_indices(live)
             attention_mask = torch.cat([attention_mask, attention_mask.new_ones((rows.shape[0], 1))], dim=1)
-            logits = self.model(
-                input_ids=token[:, None],
-                attention_mask=attention_mask,
-                position_ids=next_position[:, None],
-                past_key_values=cache,
-                use_cache=True,
-            ).logits[:, -1]
+            logits = self._next_logits(token[:, None], attention_mask, next_position[:, None], cache)
             next_position = next_position + 1
         return tokens.cpu(), logps.cpu(), lengths.cpu(), stopped.cpu()
+
+    def _next_logits(self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, cache) -> Tensor:
+        """Run the base model on new tokens (extending the cache); float32 logits [n, V] of the last one."""
+        hidden = self.model.base_model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=cache,
+            use_cache=True,
+        ).last_hidden_state[:, -1]
+        return head_logits(hidden, self.head, fp32_head=self.fp32_head)
 
 
 def _pick(logits: Tensor, params: SamplingParams, rng: torch.Generator) -> tuple[Tensor, Tensor]:
