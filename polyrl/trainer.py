@@ -141,7 +141,8 @@ def train(cfg: TrainConfig, method: Method, *, model_dir: str, task: Task, run_d
     reference = copy.deepcopy(policy).eval().requires_grad_(False) if method.needs_ref else None
     critic = ValueHead(copy.deepcopy(policy)) if method.needs_values else None
     critic_opt = torch.optim.AdamW(critic.parameters(), lr=cfg.critic_lr) if critic is not None else None
-    generator = HFGenerator(policy, tokenizer)  # shares the policy module: weights are always current
+    # The sampler shares the policy module, so its weights are always current (no push needed in-process).
+    generator = HFGenerator(policy, tokenizer, fp32_head=cfg.fp32_lm_head)
     topk = TOPK if method.needs_topk else 0
     draw = prompt_stream(task, cfg.seed)
     eval_prompts = task.prompts("test", cfg.eval_prompts, seed=0)

@@ -7,7 +7,7 @@ import shutil
 import pytest
 import torch
 
-from polyrl.model import completion_logprobs, load_policy, process_logits
+from polyrl.model import completion_logprobs, linear_head, load_policy, process_logits
 from polyrl.tinylm import build_tiny_llama
 
 
@@ -130,7 +130,8 @@ def test_topk_columns(model64):
     # Evaluating at given ids (the rollout's support) gathers exactly there; garbage where mask == 0.
     given = out.topk_ids.flip(-1).masked_fill(~sel[..., None], 10**9)
     again = completion_logprobs(model64, ids, attention, mask, topk_ids=given)
-    torch.testing.assert_close(again.topk_logp[sel], logprobs.gather(-1, given.masked_fill(~sel[..., None], 0))[sel], rtol=0, atol=1e-10)
+    expected = logprobs.gather(-1, given.masked_fill(~sel[..., None], 0))
+    torch.testing.assert_close(again.topk_logp[sel], expected[sel], rtol=0, atol=1e-10)
 
 
 def test_fp32_head_on_bfloat16_model(policy):
@@ -182,6 +183,19 @@ def test_no_grad_path_and_shape_errors(model64):
         completion_logprobs(model64, ids, attention[:, 1:], mask)
     with pytest.raises(ValueError, match="temperature"):
         completion_logprobs(model64, ids, attention, mask, temperature=0.0)
+
+
+def test_heads_that_rescale_logits_are_refused(model64):
+    assert linear_head(model64) is model64.lm_head
+    ids, attention, mask = make_batch(*LENGTHS, model64.config.vocab_size)
+    for key, value in (("final_logit_softcapping", 30.0), ("logit_scale", 0.0625)):
+        setattr(model64.config, key, value)
+        try:
+            with pytest.raises(ValueError, match=key):
+                completion_logprobs(model64, ids, attention, mask)
+        finally:
+            delattr(model64.config, key)
+    assert completion_logprobs(model64, ids, attention, mask).logp.shape == mask.shape
 
 
 def test_process_logits_by_hand():
