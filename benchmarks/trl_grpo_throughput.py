@@ -25,6 +25,7 @@ def main() -> None:
     ap.add_argument("--group", type=int, default=8)
     ap.add_argument("--new-tokens", type=int, default=8)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--beta", type=float, default=0.0)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
@@ -47,7 +48,7 @@ def main() -> None:
         output_dir="/tmp/trl_bench_out", per_device_train_batch_size=args.prompts * args.group,
         num_generations=args.group, max_completion_length=args.new_tokens, max_steps=args.warmup + args.steps,
         learning_rate=1e-4, logging_steps=1, report_to="none", use_cpu=True, save_strategy="no",
-        temperature=1.0, beta=0.0, gradient_accumulation_steps=1, dataloader_num_workers=0, seed=0,
+        temperature=1.0, beta=args.beta, gradient_accumulation_steps=1, dataloader_num_workers=0, seed=0,
     )
 
     stamps: list[float] = []

@@ -21,6 +21,7 @@ from rich.table import Table
 
 from polyrl.checkpoint import CheckpointError
 from polyrl.config import ConfigError
+from polyrl.errors import TrainingError
 from polyrl.registry import ALL_REGISTRIES, PartError
 
 # Piped output (CI logs, tests, `| less`) gets a wide console instead of rich's 80-column default.
@@ -304,6 +305,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (PartError, ConfigError, CheckpointError, FileNotFoundError) as e:
         print(f"polyrl: error: {e}", file=sys.stderr)
         return 2
+    except TrainingError as e:  # the run itself failed, not its configuration
+        print(f"polyrl: training stopped: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ left-padded prompt followed by a right-padded completion block of T columns.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -170,12 +171,15 @@ class LocalLearner:
         loss.backward()
 
     def step(self) -> float:
+        """Clip, step and zero; a non-finite gradient norm skips the update (weights untouched) and returns it."""
         params = [p for p in self.model.parameters() if p.grad is not None]
-        norm = torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm if self.max_grad_norm > 0 else float("inf"))
-        self.optimizer.step()
-        self.scheduler.step()
+        max_norm = self.max_grad_norm if self.max_grad_norm > 0 else float("inf")
+        norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        if math.isfinite(norm):
+            self.optimizer.step()
+            self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return float(norm)
+        return norm
 
     def skip_step(self) -> None:
         """Drop accumulated gradients without stepping (non-finite loss)."""

@@ -12,6 +12,7 @@ One RL step:
 from __future__ import annotations
 
 import copy
+import math
 import random
 import time
 from collections.abc import Callable
@@ -26,6 +27,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from polyrl.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from polyrl.config import TrainConfig, to_dict
+from polyrl.errors import TrainingError
 from polyrl.learner import (
     LocalLearner,
     TokenBatch,
@@ -44,10 +46,6 @@ from polyrl.rollout.generator import SamplingParams
 from polyrl.rollout.hf import HFGenerator
 from polyrl.tasks.base import Prompt, Task
 from polyrl.types import LossInputs, Normalizer, group_token_counts
-
-
-class TrainingError(RuntimeError):
-    """Training cannot go on (e.g. too many non-finite losses in a row); the message says why."""
 
 
 @dataclass
@@ -246,7 +244,13 @@ def rl_step(cfg: TrainConfig, method: Method, state: TrainState, parts: Componen
     # 2. score at the rollout weights -----------------------------------------------------------------
     if method.ref_sync_every and state.step % method.ref_sync_every == 0:
         reference.load_state_dict(learner.model.state_dict())  # Humanline: reference = recent policy
-    old = learner.logprobs_nograd(tb, topk=topk)
+    # With a single optimizer step per batch the policy has not moved when the loss is computed, so pi_old is
+    # the current policy: its detached log-probs from the update's own forward are reused (as TRL does)
+    # instead of a separate forward -- unless something needs them before the update (KL in the reward).
+    reuse_old = cfg.epochs_per_batch == 1 and cfg.minibatches == 1 and method.kl_placement != "reward"
+    old = None if reuse_old else learner.logprobs_nograd(tb, topk=topk)
+    old_logp = torch.zeros_like(tb.rollout_logp) if reuse_old else old.logp
+    old_topk = None if old is None else old.topk_logp
     ref_logp = learner.logprobs_nograd(tb, model=reference).logp if reference is not None else None
     values = None
     if critic is not None:
@@ -256,7 +260,7 @@ def rl_step(cfg: TrainConfig, method: Method, state: TrainState, parts: Componen
     # 3. advantages ----------------------------------------------------------------------------------
     token_rewards = None
     if method.kl_placement == "reward" and ref_logp is not None:
-        token_rewards = -kl_reward_penalty(method, old.logp, ref_logp, tb.completion_mask).double()
+        token_rewards = -kl_reward_penalty(method, old_logp, ref_logp, tb.completion_mask).double()
     adv = _advantages(method, batch, tb.completion_mask, values.double() if values is not None else None,
                       token_rewards)
     returns = None
@@ -283,13 +287,19 @@ def rl_step(cfg: TrainConfig, method: Method, state: TrainState, parts: Componen
             for micro in torch.arange(len(mb)).split(cfg.micro_batch_size):
                 rows = mb[micro]
                 cur = learner.logprobs(tb.rows(rows), grad=True, topk=topk)
+                if reuse_old:
+                    old_logp[rows] = cur.logp.detach()
+                    if cur.topk_logp is not None:
+                        if old_topk is None:
+                            old_topk = cur.topk_logp.new_zeros((B, *cur.topk_logp.shape[1:]))
+                        old_topk[rows] = cur.topk_logp.detach()
                 inputs = LossInputs(
-                    logp=cur.logp, old_logp=old.logp[rows], adv=adv[rows], mask=mask[rows], normalizer=norm,
+                    logp=cur.logp, old_logp=old_logp[rows], adv=adv[rows], mask=mask[rows], normalizer=norm,
                     rollout_logp=tb.rollout_logp[rows], ref_logp=None if ref_logp is None else ref_logp[rows],
                     entropy=cur.entropy.detach(), group_ids=batch.group_ids[rows], group_tokens=group_tokens[micro],
                     segment_ids=seg_ids[rows], turn_ids=turn_ids[rows], topk_ids=cur.topk_ids, topk_logp=cur.topk_logp,
-                    old_topk_logp=None if old.topk_logp is None else old.topk_logp[rows],
-                    rollout_topk_logp=None if old.topk_logp is None else old.topk_logp[rows],
+                    old_topk_logp=None if old_topk is None else old_topk[rows],
+                    rollout_topk_logp=None if old_topk is None else old_topk[rows],
                 )
                 out = policy_loss(inputs, method)
                 if not torch.isfinite(out.loss):
@@ -299,19 +309,21 @@ def rl_step(cfg: TrainConfig, method: Method, state: TrainState, parts: Componen
                 n_micro += 1
                 for k, v in {**out.metrics, "objective/loss": out.loss.detach()}.items():
                     micro_sums[k] = micro_sums.get(k, 0.0) + float(v)
-            if not finite:  # skip the step, count it, stop when it keeps happening
+            grad_norm = learner.step() if finite else float("nan")  # a non-finite norm skips the update too
+            if not math.isfinite(grad_norm):  # skip the step, count it, stop when it keeps happening
                 learner.skip_step()
                 state.bad_steps += 1
                 state.skipped_total += 1
                 if state.bad_steps >= cfg.max_bad_steps:
                     raise TrainingError(
-                        f"{state.bad_steps} optimizer steps in a row had a non-finite loss (step {state.step}); "
+                        f"{state.bad_steps} optimizer steps in a row had a non-finite loss or gradient "
+                        f"(step {state.step}); "
                         "lower lr or check the method's settings"
                     )
                 continue
             state.bad_steps = 0
             n_steps += 1
-            step_sums["perf/grad_norm"] = step_sums.get("perf/grad_norm", 0.0) + learner.step()
+            step_sums["perf/grad_norm"] = step_sums.get("perf/grad_norm", 0.0) + grad_norm
             if critic is not None:
                 v_loss = clipped_value_loss(critic(tb.rows(mb)), values[mb], returns[mb], tb.completion_mask[mb],
                                             cfg.value_clip)
@@ -341,7 +353,7 @@ def rl_step(cfg: TrainConfig, method: Method, state: TrainState, parts: Componen
         "rollout/truncated_frac": float(batch.truncated.float().mean()),
         "rollout/kept_frac": float(batch.keep.float().mean()),
         "objective/adv_abs_mean": float(masked_mean(adv.abs(), mask)),
-        "rollout/rollout_vs_old_kl": float(masked_mean((tb.rollout_logp - old.logp).abs(), tb.completion_mask)),
+        "rollout/rollout_vs_old_kl": float(masked_mean((tb.rollout_logp - old_logp).abs(), tb.completion_mask)),
     })
     metrics["perf/skipped_steps"] = float(state.skipped_total)
     metrics.update(perf)

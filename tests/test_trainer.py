@@ -153,3 +153,21 @@ def test_corrupt_checkpoint_and_existing_run_dir(tiny_model, tmp_path, capsys):
     code, err = _run_cli([*args, "--resume", "--steps", "2"], capsys)
     assert code == 2 and "does not match its checksum" in err and len(err.splitlines()) == 1
 
+
+
+def test_non_finite_losses_skip_steps_then_stop_with_a_clear_error(tiny_model, tmp_path):
+    from polyrl.errors import TrainingError
+    from polyrl.objectives import build_method
+    from polyrl.registry import TRUST_REGIONS
+
+    if "test_nan" not in TRUST_REGIONS:
+        @TRUST_REGIONS.register("test_nan")
+        def test_nan(inp, log_ratio):
+            """Return a NaN loss on every token (to exercise the trainer's guard)."""
+            return log_ratio * float("nan"), {}
+
+    method = build_method("nan", advantage="grpo", trust_region="test_nan", aggregation="token_mean")
+    with pytest.raises(TrainingError, match="3 optimizer steps in a row had a non-finite loss"):
+        train(_cfg(steps=5, max_bad_steps=3), method, model_dir=tiny_model, task=_task(), run_dir=str(tmp_path),
+              console=QUIET)
+    assert not (tmp_path / "checkpoints").exists()  # nothing half-trained was saved as if it were good
