@@ -249,11 +249,45 @@ class OneLineParser(argparse.ArgumentParser):
         raise SystemExit(2)
 
 
+def cmd_compare(args: argparse.Namespace) -> int:
+    from polyrl.lab import CollapseRule, analyse, print_ranking, write_report
+    from polyrl.lab.compare import parse_method_args, plan_runs, run_all, validate_runs
+
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    if not methods:
+        raise ConfigError("methods = '' : give at least one preset, e.g. --methods grpo,dapo")
+    if args.seeds < 1 or args.workers < 1:
+        raise ConfigError(f"seeds = {args.seeds}, workers = {args.workers}: both must be >= 1")
+    shared = ["--task", args.task, *args.extra]
+    per_method = parse_method_args(args.method_args, methods)
+    model = args.model
+    if model is None:
+        from polyrl.tinylm import warmstart
+
+        model = warmstart(args.task, cache_dir() / "warmstart", seed=0).path
+    validate_runs(methods, shared, per_method, model)
+    out = Path(args.out)
+    specs = plan_runs(methods, list(range(args.seeds)), out, shared, per_method, model, workers=args.workers)
+    console.print(f"{len(specs)} run(s) to do of {len(methods) * args.seeds} (others finished); model {model}")
+    failed = [s for s, code, _ in run_all(specs, workers=args.workers, console=console) if code != 0]
+    results = analyse(out, threshold=args.threshold, collapse_rule=CollapseRule(drop_fraction=args.collapse_drop),
+                      ci=args.ci)
+    paths = write_report(results, out)
+    print_ranking(results, console)
+    console.print(f"report: {out / 'report.html'}  results: {out / 'results.json'}  ({len(paths)} files)")
+    if failed:
+        console.print(f"[red]{len(failed)} run(s) failed[/]: " + ", ".join(s.name for s in failed))
+        return 1
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(prog="polyrl", description=__doc__.splitlines()[0])
     parser.add_argument("--plugin", action="append", default=[], metavar="MODULE",
                         help="import MODULE first, so that its registered parts and presets are available")
     sub = parser.add_subparsers(dest="command", required=True)
+    from polyrl.flow.cli import add_flow_parser
+    add_flow_parser(sub)
 
     from polyrl.config import add_config_args
 
@@ -262,6 +296,23 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_args(p)
     add_method_args(p)
     p.set_defaults(fn=cmd_train)
+
+    p = sub.add_parser("compare", help="run methods x seeds on one task and report stability and efficiency",
+                       description="Any other option is passed to every `polyrl train` run (e.g. --steps 150 "
+                                   "--epochs-per-batch 4 --lr 3e-4).")
+    p.add_argument("--methods", required=True, help="comma-separated presets, e.g. grpo,dapo,cispo,dppo_tv")
+    p.add_argument("--seeds", type=int, default=3, help="seeds per method (0 .. N-1)")
+    p.add_argument("--task", default="addition", help="task for every run")
+    p.add_argument("--model", help="start every run from this model directory (default: the task's warm start)")
+    p.add_argument("--out", required=True, help="output directory: one run directory per method and seed")
+    p.add_argument("--workers", type=int, default=1, help="runs in parallel (each gets cores / workers threads)")
+    p.add_argument("--method-args", action="append", metavar="METHOD=FLAGS",
+                   help="extra train flags for one method, e.g. 'dppo_tv=--trust-region dppo_tv:delta_low=0.1'")
+    p.add_argument("--threshold", type=float, default=0.6, help="held-out accuracy threshold for the efficiency table")
+    p.add_argument("--collapse-drop", type=float, default=0.5,
+                   help="collapse: metric falls below (1 - this) x its best so far")
+    p.add_argument("--ci", type=float, default=0.9, help="bootstrap confidence level over seeds")
+    p.set_defaults(fn=cmd_compare, extra=[])
 
     p = sub.add_parser("warmstart", help="build and supervised-train the tiny model for a task (cached)")
     p.add_argument("--task", default="addition", help="task name")
@@ -295,7 +346,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        if args.command != "compare":
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        args.extra = extra  # shared `polyrl train` flags, validated per method before any run
     try:
         for module in args.plugin:
             load_plugin(module)

@@ -95,6 +95,12 @@ class TrainConfig:
     """model dtype"""
     fp32_lm_head: bool = False
     """compute the LM head in float32 (ScaleRL)"""
+    guard: bool = False
+    """collapse guard: on a detected collapse roll back to the last good checkpoint and lower the lr"""
+    guard_lr_factor: float = 0.5
+    """the guard multiplies the learning rate by this on every rollback"""
+    guard_max_rollbacks: int = 3
+    """the guard stops the run after this many rollbacks"""
     max_bad_steps: int = 5
     """stop after this many consecutive steps with a non-finite loss"""
     log_every: int = 10
@@ -196,6 +202,11 @@ def validate(cfg: TrainConfig) -> None:
     _rule("critic_lr", cfg.critic_lr, cfg.critic_lr > 0, "must be > 0")
     _rule("weight_decay", cfg.weight_decay, cfg.weight_decay >= 0, "must be >= 0")
     _rule("max_grad_norm", cfg.max_grad_norm, cfg.max_grad_norm >= 0, "must be >= 0 (0 = off)")
+    _rule("guard_lr_factor", cfg.guard_lr_factor, 0 < cfg.guard_lr_factor < 1, "must be in (0, 1)")
+    _rule("guard_max_rollbacks", cfg.guard_max_rollbacks, cfg.guard_max_rollbacks >= 1, "must be an integer >= 1")
+    if cfg.guard:
+        _rule("checkpoint_every", cfg.checkpoint_every, cfg.checkpoint_every >= 1,
+              "must be >= 1 with --guard (the guard rolls back to a checkpoint)")
     _rule("value_clip", cfg.value_clip, cfg.value_clip > 0, "must be > 0")
     _rule("temperature", cfg.temperature, cfg.temperature > 0, "must be > 0")
     _rule("top_p", cfg.top_p, 0 < cfg.top_p <= 1, "must be in (0, 1]")

@@ -181,6 +181,13 @@ class LocalLearner:
         self.optimizer.zero_grad(set_to_none=True)
         return norm
 
+    def set_base_lr(self, lr: float) -> None:
+        """Change the schedule's base learning rate for the rest of the run (saved with the scheduler state)."""
+        ratio = self.scheduler.get_last_lr()[0] / self.scheduler.base_lrs[0]  # where the warm-up stands
+        self.scheduler.base_lrs = [lr for _ in self.scheduler.base_lrs]
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr * ratio
+
     def skip_step(self) -> None:
         """Drop accumulated gradients without stepping (non-finite loss)."""
         self.optimizer.zero_grad(set_to_none=True)

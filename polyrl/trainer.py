@@ -28,6 +28,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from polyrl.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from polyrl.config import TrainConfig, to_dict
 from polyrl.errors import TrainingError
+from polyrl.lab.collapse import CollapseMonitor, CollapseRule
 from polyrl.learner import (
     LocalLearner,
     TokenBatch,
@@ -58,6 +59,7 @@ class TrainState:
     bad_steps: int = 0  # consecutive steps with a non-finite loss
     skipped_total: int = 0  # optimizer steps skipped for a non-finite loss
     empty_steps: int = 0  # RL steps without update because every group was filtered out
+    rollbacks: int = 0  # collapse-guard rollbacks so far
     eval_before: float | None = None
     last_samples: list | None = None  # a few (prompt, completion, reward) of the latest batch, for samples.jsonl
 
@@ -100,10 +102,61 @@ def prompt_stream(task: Task, seed: int, pool_size: int = 100_000) -> Callable[[
     return draw
 
 
+def _monitor(history: list[dict[str, float]], up_to: int) -> CollapseMonitor:
+    """A collapse monitor that has seen every logged row up to ``up_to``, as the offline analysis does."""
+    monitor = CollapseMonitor(CollapseRule())
+    for row in history:
+        if row["step"] <= up_to:
+            monitor.update(row["step"], row)
+    return monitor
+
+
+def _roll_back(run: Path, state: TrainState, learner: LocalLearner, extra: dict, critic_opt, cfg: TrainConfig,
+               reason: str, console: Console) -> TrainState:
+    """Restore the newest checkpoint (saved while the run was healthy) and scale the learning rate down."""
+    ck = latest_checkpoint(run)
+    if ck is None or state.rollbacks >= cfg.guard_max_rollbacks:
+        raise TrainingError(f"collapse at step {state.step} ({reason}) and "
+                            + ("no checkpoint to roll back to" if ck is None else
+                               f"already {state.rollbacks} rollbacks (guard_max_rollbacks)"))
+    saved = load_checkpoint(ck, **learner.state(), extra_models=extra)
+    critic_opt_state = saved.pop("critic_optimizer", None)
+    if critic_opt is not None and critic_opt_state is not None:
+        critic_opt.load_state_dict(critic_opt_state)
+    restored = TrainState(**saved)
+    restored.rollbacks = state.rollbacks + 1
+    restored.skipped_total, restored.empty_steps = state.skipped_total, state.empty_steps
+    learner.set_base_lr(cfg.lr * cfg.guard_lr_factor ** restored.rollbacks)
+    console.print(f"[yellow]guard[/]: collapse at step {state.step} ({reason}); rolled back to step "
+                  f"{restored.step}, lr x{cfg.guard_lr_factor ** restored.rollbacks:g} (rollback {restored.rollbacks})")
+    return restored
+
+
 def _state_dict(state: TrainState, critic_opt) -> dict[str, Any]:
     out = dict(vars(state))
     if critic_opt is not None:
         out["critic_optimizer"] = critic_opt.state_dict()
+    return out
+
+
+def zero_grad_by_quarter(surrogate: torch.Tensor, logp: torch.Tensor, mask: torch.Tensor,
+                         adv: torch.Tensor) -> torch.Tensor:
+    """[2, 4]: (zero-gradient tokens, loss tokens with A != 0) per quarter of relative position in the response.
+
+    A token whose surrogate gradient is exactly zero was clipped or masked by the trust region: the
+    DPPO/CPPO diagnostic of *where* in a response the trust region binds. Only the small loss graph
+    is differentiated (down to the log-probs), never the model.
+    """
+    (g,) = torch.autograd.grad(surrogate.sum(), logp, retain_graph=True, allow_unused=True)
+    out = torch.zeros(2, 4)
+    if g is None:
+        return out
+    lengths = mask.sum(-1, keepdim=True).clamp_min(1.0)
+    pos = (torch.cumsum(mask, -1) - 1.0).clamp_min(0.0)
+    quarter = torch.clamp((4.0 * pos / lengths).long(), max=3)
+    real = (mask > 0) & (adv != 0)  # a zero advantage gives a zero gradient whatever the trust region does
+    out[0].index_add_(0, quarter[real], ((g == 0) & real)[real].float())
+    out[1].index_add_(0, quarter[real], torch.ones(int(real.sum())))
     return out
 
 
@@ -170,6 +223,7 @@ def train(cfg: TrainConfig, method: Method, *, model_dir: str, task: Task, run_d
         logger.log(state.step, {"eval/accuracy": state.eval_before})
     console.print(f"[bold]{method.name}[/] on {task.name}: held-out accuracy before = {state.eval_before:.3f}")
 
+    monitor = _monitor(logger.history, state.step) if cfg.guard else None
     started = time.perf_counter()
     steps_done = rollouts = 0
     step_seconds = 0.0  # time inside RL steps only (no evaluation or checkpointing)
@@ -188,6 +242,13 @@ def train(cfg: TrainConfig, method: Method, *, model_dir: str, task: Task, run_d
             if cfg.eval_every and state.step % cfg.eval_every == 0 and state.step < cfg.steps:
                 metrics["eval/accuracy"] = evaluate(generator, task, eval_prompts, cfg.max_new_tokens)
             logger.log(state.step, metrics)
+            reason = monitor.update(state.step, metrics) if monitor is not None else None
+            if reason is not None:  # --guard: back to the last good checkpoint with a lower learning rate
+                state = _roll_back(run, state, learner, extra, critic_opt, cfg, reason, console)
+                monitor = _monitor(logger.history, state.step)
+                logger.log(state.step, {"guard/rollbacks": state.rollbacks, "guard/lr": learner.lr})
+                bar.update(task_bar, completed=state.step)
+                continue
             if cfg.log_every and state.step % cfg.log_every == 0 and state.last_samples:
                 logger.samples(state.step, state.last_samples)
             bar.update(task_bar, advance=1, info=f"reward {metrics.get('reward/mean', float('nan')):.3f}")
@@ -276,6 +337,7 @@ def rl_step(cfg: TrainConfig, method: Method, state: TrainState, parts: Componen
     micro_sums: dict[str, float] = {}  # per micro-batch metrics, averaged at the end
     step_sums: dict[str, float] = {}  # per optimizer step metrics
     n_micro = n_steps = 0
+    zero_grad_counts = torch.zeros(2, 4)
     step_gen = torch.Generator().manual_seed(cfg.seed * 7919 + state.step)
     for _epoch in range(cfg.epochs_per_batch):
         order = torch.randperm(B, generator=step_gen) if cfg.minibatches > 1 else torch.arange(B)
@@ -305,6 +367,7 @@ def rl_step(cfg: TrainConfig, method: Method, state: TrainState, parts: Componen
                 if not torch.isfinite(out.loss):
                     finite = False
                     break
+                zero_grad_counts += zero_grad_by_quarter(out.surrogate, cur.logp, mask[rows], adv[rows])
                 learner.backward(out.loss)
                 n_micro += 1
                 for k, v in {**out.metrics, "objective/loss": out.loss.detach()}.items():
@@ -357,4 +420,8 @@ def rl_step(cfg: TrainConfig, method: Method, state: TrainState, parts: Componen
     })
     metrics["perf/skipped_steps"] = float(state.skipped_total)
     metrics.update(perf)
+    metrics["rollout/gen_tokens"] = gen_tokens
+    for q in range(4):
+        if zero_grad_counts[1, q] > 0:
+            metrics[f"position/zero_grad_frac_q{q + 1}"] = float(zero_grad_counts[0, q] / zero_grad_counts[1, q])
     return metrics

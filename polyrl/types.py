@@ -107,4 +107,5 @@ class LossOutput:
 
     loss: Tensor  # [] this micro-batch's share of the step loss (sum / global normalizer)
     per_token_loss: Tensor  # [B, T] after corrections and KL, before aggregation
+    surrogate: Tensor | None = None  # [B, T] the trust region's own per-token loss (diagnostics)
     metrics: dict[str, Tensor] = field(default_factory=dict)  # 0-dim, detached

@@ -171,3 +171,51 @@ def test_non_finite_losses_skip_steps_then_stop_with_a_clear_error(tiny_model, t
         train(_cfg(steps=5, max_bad_steps=3), method, model_dir=tiny_model, task=_task(), run_dir=str(tmp_path),
               console=QUIET)
     assert not (tmp_path / "checkpoints").exists()  # nothing half-trained was saved as if it were good
+
+
+def test_zero_grad_by_quarter_counts_clipped_tokens_by_position():
+    from polyrl.objectives import build_method, policy_loss
+    from polyrl.trainer import zero_grad_by_quarter
+    from polyrl.types import LossInputs, Normalizer
+
+    # One response of 8 tokens, A > 0: the last two tokens have ratio 2 (clipped by PPO), the rest ratio 1.
+    logp = torch.zeros(1, 8, requires_grad=True)
+    old = torch.zeros(1, 8)
+    old[0, 6:] = -torch.log(torch.tensor(2.0))
+    mask = torch.ones(1, 8)
+    adv = torch.ones(1, 8)
+    out = policy_loss(LossInputs(logp=logp * 1.0, old_logp=old, adv=adv, mask=mask,
+                                 normalizer=Normalizer.from_batch(mask, torch.zeros(1))),
+                      build_method("m", advantage="grpo", trust_region="clip", aggregation="token_mean"))
+    counts = zero_grad_by_quarter(out.surrogate, logp, mask, adv)
+    assert counts[1].tolist() == [2.0, 2.0, 2.0, 2.0]
+    assert counts[0].tolist() == [0.0, 0.0, 0.0, 2.0]
+    assert zero_grad_by_quarter(out.surrogate, logp, mask, adv * 0)[1].sum() == 0  # A = 0 is not "clipped"
+
+
+def test_guard_rolls_back_to_last_checkpoint_and_lowers_lr(tiny_model, tmp_path, monkeypatch):
+    import polyrl.trainer as trainer_mod
+
+    class CollapseOnceAtStep3:
+        fired = False
+
+        def __init__(self, rule):
+            pass
+
+        def update(self, step, metrics):
+            if step == 3 and not CollapseOnceAtStep3.fired:
+                CollapseOnceAtStep3.fired = True
+                return "eval/accuracy fell below half its best"
+            return None
+
+    monkeypatch.setattr(trainer_mod, "CollapseMonitor", CollapseOnceAtStep3)
+    cfg = _cfg(steps=5, guard=True, checkpoint_every=2, guard_lr_factor=0.5, lr=1e-3)
+    summary = train(cfg, get_method("grpo"), model_dir=tiny_model, task=_task(), run_dir=str(tmp_path), console=QUIET)
+    assert summary["steps"] == 5
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    guard = [r for r in rows if "guard/rollbacks" in r]
+    assert len(guard) == 1 and guard[0]["step"] == 2 and guard[0]["guard/rollbacks"] == 1
+    lrs = [r["perf/lr"] for r in rows if "perf/lr" in r]
+    assert lrs[-1] == pytest.approx(0.5e-3)  # the rest of the run uses half the learning rate
+    steps = [r["step"] for r in rows if "reward/mean" in r]
+    assert steps == [1, 2, 3, 3, 4, 5]  # step 3 was redone after the rollback to step 2

@@ -215,6 +215,7 @@ def policy_loss(inp: LossInputs, method: Method) -> LossOutput:
     anchor_logp = inp.rollout_logp if method.anchor == "rollout" else inp.old_logp
     log_ratio = _call(RATIOS, method.ratio, inp.logp, anchor_logp, inp.mask, inp.segment_ids, inp.turn_ids)
     per_token, tr_metrics = _call(TRUST_REGIONS, method.trust_region, inp, log_ratio)
+    surrogate = per_token
     metrics: dict[str, Tensor] = {f"objective/{k}": v.detach() for k, v in tr_metrics.items()}
 
     for corr in method.corrections:
@@ -236,7 +237,7 @@ def policy_loss(inp: LossInputs, method: Method) -> LossOutput:
         metrics["objective/approx_kl"] = masked_mean(lr.exp() - 1 - lr, inp.mask)  # k3 of pi_old vs pi_theta
         if inp.entropy is not None:
             metrics["objective/entropy"] = masked_mean(inp.entropy, inp.mask)
-    return LossOutput(loss=loss, per_token_loss=per_token, metrics=metrics)
+    return LossOutput(loss=loss, per_token_loss=per_token, metrics=metrics, surrogate=surrogate)
 
 
 def kl_reward_penalty(method: Method, old_logp: Tensor, ref_logp: Tensor, mask: Tensor) -> Tensor:

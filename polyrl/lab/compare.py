@@ -1,0 +1,107 @@
+"""`polyrl compare`: run methods x seeds on one task, then analyse and report.
+
+Every (method, seed) pair is one ordinary `polyrl train` run in ``OUT/<method>/seed<k>/``, started
+as a subprocess (its output in ``train.log`` there), one after another or in W worker processes.
+All runs start from the same model: the task's cached warm start (built once, before any run) or
+``--model``. A rerun skips finished runs (``summary.json`` present) and resumes interrupted ones
+(checkpoints but no summary). Every shared and per-method flag is validated for every method
+before the first run starts, so a typo fails in one line instead of after an hour.
+"""
+
+from __future__ import annotations
+
+import shlex
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from polyrl.config import ConfigError
+
+
+@dataclass
+class RunSpec:
+    method: str
+    seed: int
+    run_dir: Path
+    args: list[str]  # full `polyrl train` argument list
+
+    @property
+    def name(self) -> str:
+        return f"{self.method}/seed{self.seed}"
+
+
+def parse_method_args(items: list[str] | None, methods: list[str]) -> dict[str, list[str]]:
+    """``--method-args 'dppo_tv=--trust-region dppo_tv:delta_low=0.1 --lr 5e-5'`` -> {method: [flags]}."""
+    out: dict[str, list[str]] = {}
+    for item in items or []:
+        name, eq, rest = item.partition("=")
+        if not eq or name.strip() not in methods:
+            raise ConfigError(f"method_args = {item!r}: write METHOD=FLAGS with METHOD one of {', '.join(methods)}")
+        out.setdefault(name.strip(), []).extend(shlex.split(rest))
+    return out
+
+
+def plan_runs(methods: list[str], seeds: list[int], out: Path, shared: list[str],
+              per_method: dict[str, list[str]], model: str, workers: int = 1) -> list[RunSpec]:
+    """One RunSpec per (method, seed); a finished run is left out, an interrupted one gets --resume."""
+    import os
+
+    from polyrl.checkpoint import latest_checkpoint
+
+    if "--threads" not in shared:  # split the cores between concurrent runs instead of oversubscribing them
+        shared = [*shared, "--threads", str(max(1, (os.cpu_count() or 1) // max(1, workers)))]
+    specs = []
+    for method in methods:
+        for seed in seeds:
+            run_dir = out / method / f"seed{seed}"
+            if (run_dir / "summary.json").exists():
+                continue
+            resume = ["--resume"] if latest_checkpoint(run_dir) is not None else ["--overwrite"]
+            args = ["train", "--method", method, "--seed", str(seed), "--run-dir", str(run_dir), "--model", model,
+                    *shared, *per_method.get(method, []), *resume]
+            specs.append(RunSpec(method, seed, run_dir, args))
+    return specs
+
+
+def validate_runs(methods: list[str], shared: list[str], per_method: dict[str, list[str]], model: str) -> None:
+    """Resolve every method's full train configuration now (raises ConfigError / PartError in one line)."""
+    from polyrl.cli import build_parser, resolve_train
+
+    parser = build_parser()
+    for method in methods:
+        argv = ["train", "--method", method, "--model", model, *shared, *per_method.get(method, [])]
+        try:
+            args = parser.parse_args(argv)
+        except SystemExit:
+            raise ConfigError(f"the flags for method {method!r} do not parse: {' '.join(argv[4:])}") from None
+        args.run_dir = str(Path("/nonexistent-polyrl-validation") / method)  # resolving must not touch real dirs
+        resolve_train(args)
+
+
+def run_all(specs: list[RunSpec], *, workers: int, console: Console) -> list[tuple[RunSpec, int, float]]:
+    """Run the specs (W at a time), each `polyrl train` in its own process; return (spec, exit code, seconds)."""
+
+    def one(spec: RunSpec) -> tuple[RunSpec, int, float]:
+        spec.run_dir.mkdir(parents=True, exist_ok=True)
+        t0 = time.perf_counter()
+        with open(spec.run_dir.parent / f"{spec.run_dir.name}.train.log", "w") as log:
+            code = subprocess.call([sys.executable, "-m", "polyrl", *spec.args], stdout=log, stderr=subprocess.STDOUT)
+        return spec, code, time.perf_counter() - t0
+
+    results = []
+    with Progress(TextColumn("[bold]compare"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  TextColumn("{task.fields[info]}"), console=console) as bar:
+        task = bar.add_task("runs", total=len(specs), info="")
+        with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+            for spec, code, secs in pool.map(one, specs):
+                results.append((spec, code, secs))
+                status = "ok" if code == 0 else f"FAILED (exit {code}, see {spec.run_dir.name}.train.log)"
+                bar.update(task, advance=1, info=f"{spec.name} {status} {secs:.0f}s")
+    return results
+
