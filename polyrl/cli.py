@@ -6,8 +6,6 @@ Bad input prints one line naming the field, the value and what is allowed, and e
 from __future__ import annotations
 
 import argparse
-import importlib
-import importlib.util
 import json
 import os
 import shutil
@@ -133,17 +131,10 @@ def cmd_docs(args: argparse.Namespace) -> int:
 
 def load_plugin(module: str) -> None:
     """Import a module by dotted name or a ``.py`` file path so that its parts and presets register."""
+    from polyrl.plugins import import_module_or_file
+
     try:
-        if module.endswith(".py"):
-            path = Path(module)
-            if not path.is_file():
-                raise PartError(f"--plugin {module!r}: no such file")
-            spec = importlib.util.spec_from_file_location(path.stem, path)
-            mod = importlib.util.module_from_spec(spec)
-            sys.modules[path.stem] = mod
-            spec.loader.exec_module(mod)
-        else:
-            importlib.import_module(module)
+        import_module_or_file(module)
     except ImportError as e:
         raise PartError(f"--plugin {module!r} could not be imported: {e}") from None
 

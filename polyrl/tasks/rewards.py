@@ -10,13 +10,10 @@ separately (GDPO).
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
-import sys
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
+from polyrl.plugins import import_module_or_file
 from polyrl.tasks.base import Prompt, Split, Task
 
 RewardFn = Callable[..., list[float]]
@@ -27,19 +24,10 @@ def load_callable(spec: str) -> RewardFn:
     module_name, sep, attr = spec.rpartition(":")
     if not sep or not module_name or not attr:
         raise ValueError(f"reward function {spec!r}: write it as package.module:function or path/file.py:function")
-    if module_name.endswith(".py"):
-        path = Path(module_name)
-        if not path.is_file():
-            raise ValueError(f"reward function {spec!r}: file {module_name!r} does not exist")
-        mod_spec = importlib.util.spec_from_file_location(path.stem, path)
-        module = importlib.util.module_from_spec(mod_spec)
-        sys.modules[path.stem] = module
-        mod_spec.loader.exec_module(module)
-    else:
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError as e:
-            raise ValueError(f"reward function {spec!r}: cannot import {module_name!r} ({e})") from None
+    try:
+        module = import_module_or_file(module_name)
+    except ImportError as e:
+        raise ValueError(f"reward function {spec!r}: cannot import {module_name!r} ({e})") from None
     fn = getattr(module, attr, None)
     if not callable(fn):
         raise ValueError(f"reward function {spec!r}: {module_name!r} has no callable {attr!r}")

@@ -1,0 +1,26 @@
+"""Import user code named as ``package.module`` or ``path/to/file.py`` (plugins, reward functions)."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
+
+def import_module_or_file(name: str) -> ModuleType:
+    """Import a dotted module name, or execute a ``.py`` file as a module named after its stem.
+
+    Raises ImportError with a message naming what is missing (the caller adds its own context).
+    """
+    if name.endswith(".py"):
+        path = Path(name)
+        if not path.is_file():
+            raise ImportError(f"file {name!r} does not exist")
+        spec = importlib.util.spec_from_file_location(path.stem, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[path.stem] = module
+        spec.loader.exec_module(module)
+        return module
+    return importlib.import_module(name)
