@@ -85,11 +85,17 @@ def _run_cli(args, capsys):
     return code, err
 
 
-def test_cli_train_smoke(tiny_model, tmp_path, capsys):
-    code, err = _run_cli(["train", "--model", tiny_model, "--steps", "1", "--prompts-per-step", "2",
-                          "--group-size", "2", "--eval-prompts", "4", "--run-dir", str(tmp_path / "r"),
-                          "--no-tensorboard", "--trust-region", "clip:eps_high=0.28"], capsys)
-    assert code == 0, err
+def test_cli_train_smoke_in_a_subprocess(tiny_model, tmp_path):
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "polyrl", "train", "--model", tiny_model, "--steps", "1",
+                           "--prompts-per-step", "2", "--group-size", "2", "--eval-prompts", "4", "--threads", "1",
+                           "--run-dir", str(tmp_path / "r"), "--trust-region", "clip:eps_high=0.28"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "held-out accuracy before" in proc.stdout and "run files:" in proc.stdout
+    assert list((tmp_path / "r" / "tb").glob("events.out.tfevents.*")), "no TensorBoard event file"
     saved = json.loads((tmp_path / "r" / "config.json").read_text())
     assert saved["method"]["trust_region"]["params"]["eps_high"] == 0.28
     assert json.loads((tmp_path / "r" / "summary.json").read_text())["steps"] == 1
