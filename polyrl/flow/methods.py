@@ -1,0 +1,157 @@
+"""Flow-method presets: each names an advantage estimator, a flow loss and the sampler it rolls out with.
+
+``FLOW_METHODS`` maps a name to a builder; ``get_flow_method(name, **overrides)`` returns the validated
+``FlowMethod``. Overrides use the part syntax of the language-model path (``loss="flow_dppo:kl_threshold=1e-4"``,
+``advantage="rloo"``) or plain values (``schedule``, ``eta``, ``reduce``, ``cfm_samples``). Every bad
+value raises ``PartError`` with one line naming the field, the value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+import polyrl.objectives  # noqa: F401  (registers the advantage estimators)
+from polyrl.flow.losses import FLOW_LOSSES
+from polyrl.flow.sampler import REDUCES, SCHEDULES
+from polyrl.registry import ADVANTAGES, Part, PartError, Registry, parse_part
+
+# Sequence-level estimators that return one advantage per sample [B] (token-level ones do not apply).
+FLOW_ADVANTAGES = ("grpo", "group_centered", "group_centered_batch_std", "rloo", "maxrl", "reinforce")
+
+
+@dataclass(frozen=True)
+class FlowMethod:
+    """A flow RL method as data: parts plus the sampler settings used for rollouts and replay."""
+
+    name: str
+    advantage: Part  # an ADVANTAGES part returning [B]
+    loss: Part  # a FLOW_LOSSES part
+    schedule: str = "flow_grpo"  # SDE noise schedule: flow_grpo | dance | cps
+    eta: float = 0.7  # noise level of the schedule
+    reduce: str = "mean"  # unit of step log-probs: mean (per dim) | sum
+    cfm_samples: int = 0  # (t, eps) pairs stored per action for CFM-ratio losses (FPO); 0 = none
+    paper: str = ""
+    summary: str = ""
+
+    @property
+    def needs_steps(self) -> bool:
+        """The loss uses per-step log-probs and means (replayed through the SDE sampler)."""
+        return "steps" in FLOW_LOSSES.spec(self.loss.name).tags
+
+    @property
+    def needs_cfm(self) -> bool:
+        return "cfm" in FLOW_LOSSES.spec(self.loss.name).tags
+
+
+PartLike = str | tuple[str, dict[str, Any]] | Part
+
+
+def _resolve(registry: Registry, value: PartLike, current: Part | None = None) -> Part:
+    if isinstance(value, Part):
+        return registry.resolve(value.name, value.params)
+    if isinstance(value, tuple):
+        return registry.resolve(value[0], value[1])
+    name, params = parse_part(value)
+    if current is not None and current.name == name:
+        params = {**current.params, **params}
+    return registry.resolve(name, params)
+
+
+def build_flow_method(name: str, *, advantage: PartLike, loss: PartLike, schedule: str = "flow_grpo",
+                      eta: float = 0.7, reduce: str = "mean", cfm_samples: int = 0, paper: str = "",
+                      summary: str = "") -> FlowMethod:
+    """Validate every field and return the FlowMethod (raises PartError with a one-line message)."""
+    where = f"flow method {name!r}"
+    adv = _resolve(ADVANTAGES, advantage)
+    if adv.name not in FLOW_ADVANTAGES:
+        raise PartError(f"{where}: advantage = {adv.name!r} is not per-sample; allowed: {', '.join(FLOW_ADVANTAGES)}")
+    part = _resolve(FLOW_LOSSES, loss)
+    if schedule not in SCHEDULES:
+        raise PartError(f"{where}: schedule = {schedule!r}; allowed: {', '.join(map(repr, SCHEDULES))}")
+    if reduce not in REDUCES:
+        raise PartError(f"{where}: reduce = {reduce!r}; allowed: 'mean', 'sum'")
+    try:
+        eta = float(eta)
+    except (TypeError, ValueError):
+        raise PartError(f"{where}: eta = {eta!r} must be a number") from None
+    if schedule == "cps" and not 0 < eta <= 1:
+        raise PartError(f"{where}: eta = {eta} is out of range for schedule 'cps'; allowed: (0, 1]")
+    if not (math.isfinite(eta) and eta > 0):
+        raise PartError(f"{where}: eta = {eta} is out of range; allowed: > 0")
+    if isinstance(cfm_samples, bool) or not isinstance(cfm_samples, int) or cfm_samples < 0:
+        raise PartError(f"{where}: cfm_samples = {cfm_samples!r} must be an integer >= 0")
+    method = FlowMethod(name, adv, part, schedule, eta, reduce, cfm_samples, paper, summary)
+    if method.needs_cfm and cfm_samples < 1:
+        raise PartError(f"{where}: loss {part.name!r} needs cfm_samples >= 1, got {cfm_samples}")
+    return method
+
+
+FLOW_METHODS: dict[str, Callable[[], FlowMethod]] = {}
+
+
+def flow_preset(fn: Callable[[], FlowMethod]) -> Callable[[], FlowMethod]:
+    """Register a preset under its function name; its docstring becomes the summary."""
+    FLOW_METHODS[fn.__name__] = lambda: replace(fn(), summary=" ".join((fn.__doc__ or "").split()))
+    return fn
+
+
+@flow_preset
+def flow_grpo() -> FlowMethod:
+    """Flow-GRPO: SDE sampler, GRPO group z-score, per-step ratio clip (arXiv:2505.05470)."""
+    return build_flow_method("flow_grpo", advantage="grpo", loss="flow_clip", paper="arXiv:2505.05470")
+
+
+@flow_preset
+def flow_dppo() -> FlowMethod:
+    """Flow-DPPO: exact-KL asymmetric mask instead of clipping; group mean, batch std (arXiv:2606.11025)."""
+    return build_flow_method("flow_dppo", advantage="group_centered_batch_std", loss="flow_dppo",
+                             paper="arXiv:2606.11025")
+
+
+@flow_preset
+def grpo_guard() -> FlowMethod:
+    """GRPO-Guard: per-step RatioNorm and 1/dt gradient reweighting on Flow-GRPO (arXiv:2510.22319)."""
+    return build_flow_method("grpo_guard", advantage="grpo", loss="grpo_guard", paper="arXiv:2510.22319")
+
+
+@flow_preset
+def loop() -> FlowMethod:
+    """LOOP: leave-one-out advantages with the per-step PPO clip (arXiv:2503.00897)."""
+    return build_flow_method("loop", advantage="rloo", loss="flow_clip", paper="arXiv:2503.00897")
+
+
+@flow_preset
+def dance_grpo() -> FlowMethod:
+    """DanceGRPO: Flow-GRPO's loss with the constant-sigma ``dance`` noise schedule (arXiv:2505.07818)."""
+    return build_flow_method("dance_grpo", advantage="grpo", loss="flow_clip", schedule="dance", eta=0.7,
+                             paper="arXiv:2505.07818")
+
+
+@flow_preset
+def fpo() -> FlowMethod:
+    """FPO: PPO clip on the ratio of flow-matching losses, 8 shared (t, eps) per action (arXiv:2507.21053)."""
+    return build_flow_method("fpo", advantage="grpo", loss="fpo", cfm_samples=8, paper="arXiv:2507.21053")
+
+
+def get_flow_method(name: str, **overrides: Any) -> FlowMethod:
+    """Preset ``name`` with overrides (advantage, loss, schedule, eta, reduce, cfm_samples), validated."""
+    if name not in FLOW_METHODS:
+        import difflib
+
+        near = difflib.get_close_matches(name, FLOW_METHODS, n=1)
+        hint = f" (did you mean {near[0]!r}?)" if near else ""
+        raise PartError(f"unknown flow method {name!r}{hint}; allowed: {', '.join(sorted(FLOW_METHODS))}")
+    m = FLOW_METHODS[name]()
+    allowed = ("advantage", "loss", "schedule", "eta", "reduce", "cfm_samples")
+    for key in overrides:
+        if key not in allowed:
+            raise PartError(f"flow method {name!r}: cannot override {key!r}; allowed: {', '.join(allowed)}")
+    fields = {k: v for k, v in overrides.items() if v is not None}
+    adv = _resolve(ADVANTAGES, fields.pop("advantage"), m.advantage) if "advantage" in fields else m.advantage
+    loss = _resolve(FLOW_LOSSES, fields.pop("loss"), m.loss) if "loss" in fields else m.loss
+    base = dict(schedule=m.schedule, eta=m.eta, reduce=m.reduce, cfm_samples=m.cfm_samples)
+    base.update(fields)
+    return build_flow_method(m.name, advantage=adv, loss=loss, paper=m.paper, summary=m.summary, **base)
