@@ -28,7 +28,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from polyrl.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from polyrl.config import TrainConfig, to_dict
 from polyrl.errors import TrainingError
-from polyrl.lab.collapse import CollapseMonitor, CollapseRule
+from polyrl.guard import make_monitor, roll_back
 from polyrl.learner import (
     LocalLearner,
     TokenBatch,
@@ -39,7 +39,7 @@ from polyrl.learner import (
 )
 from polyrl.logging import RunLogger, peak_rss_mb, plot_curves, write_summary
 from polyrl.objectives import Method, kl_reward_penalty, policy_loss
-from polyrl.objectives.objective import masked_mean
+from polyrl.objectives.objective import masked_mean, zero_grad_by_quarter
 from polyrl.objectives.token_advantages import gae_advantages_and_returns
 from polyrl.registry import ADVANTAGES
 from polyrl.rollout.collect import NoUsableGroups, RolloutBatch, collect
@@ -102,61 +102,10 @@ def prompt_stream(task: Task, seed: int, pool_size: int = 100_000) -> Callable[[
     return draw
 
 
-def _monitor(history: list[dict[str, float]], up_to: int) -> CollapseMonitor:
-    """A collapse monitor that has seen every logged row up to ``up_to``, as the offline analysis does."""
-    monitor = CollapseMonitor(CollapseRule())
-    for row in history:
-        if row["step"] <= up_to:
-            monitor.update(row["step"], row)
-    return monitor
-
-
-def _roll_back(run: Path, state: TrainState, learner: LocalLearner, extra: dict, critic_opt, cfg: TrainConfig,
-               reason: str, console: Console) -> TrainState:
-    """Restore the newest checkpoint (saved while the run was healthy) and scale the learning rate down."""
-    ck = latest_checkpoint(run)
-    if ck is None or state.rollbacks >= cfg.guard_max_rollbacks:
-        raise TrainingError(f"collapse at step {state.step} ({reason}) and "
-                            + ("no checkpoint to roll back to" if ck is None else
-                               f"already {state.rollbacks} rollbacks (guard_max_rollbacks)"))
-    saved = load_checkpoint(ck, **learner.state(), extra_models=extra)
-    critic_opt_state = saved.pop("critic_optimizer", None)
-    if critic_opt is not None and critic_opt_state is not None:
-        critic_opt.load_state_dict(critic_opt_state)
-    restored = TrainState(**saved)
-    restored.rollbacks = state.rollbacks + 1
-    restored.skipped_total, restored.empty_steps = state.skipped_total, state.empty_steps
-    learner.set_base_lr(cfg.lr * cfg.guard_lr_factor ** restored.rollbacks)
-    console.print(f"[yellow]guard[/]: collapse at step {state.step} ({reason}); rolled back to step "
-                  f"{restored.step}, lr x{cfg.guard_lr_factor ** restored.rollbacks:g} (rollback {restored.rollbacks})")
-    return restored
-
-
 def _state_dict(state: TrainState, critic_opt) -> dict[str, Any]:
     out = dict(vars(state))
     if critic_opt is not None:
         out["critic_optimizer"] = critic_opt.state_dict()
-    return out
-
-
-def zero_grad_by_quarter(surrogate: torch.Tensor, logp: torch.Tensor, mask: torch.Tensor,
-                         adv: torch.Tensor) -> torch.Tensor:
-    """[2, 4]: (zero-gradient tokens, loss tokens with A != 0) per quarter of relative position in the response.
-
-    A token whose surrogate gradient is exactly zero was clipped or masked by the trust region: the
-    DPPO/CPPO diagnostic of *where* in a response the trust region binds. Only the small loss graph
-    is differentiated (down to the log-probs), never the model.
-    """
-    (g,) = torch.autograd.grad(surrogate.sum(), logp, retain_graph=True, allow_unused=True)
-    out = torch.zeros(2, 4)
-    if g is None:
-        return out
-    lengths = mask.sum(-1, keepdim=True).clamp_min(1.0)
-    pos = (torch.cumsum(mask, -1) - 1.0).clamp_min(0.0)
-    quarter = torch.clamp((4.0 * pos / lengths).long(), max=3)
-    real = (mask > 0) & (adv != 0)  # a zero advantage gives a zero gradient whatever the trust region does
-    out[0].index_add_(0, quarter[real], ((g == 0) & real)[real].float())
-    out[1].index_add_(0, quarter[real], torch.ones(int(real.sum())))
     return out
 
 
@@ -223,7 +172,7 @@ def train(cfg: TrainConfig, method: Method, *, model_dir: str, task: Task, run_d
         logger.log(state.step, {"eval/accuracy": state.eval_before})
     console.print(f"[bold]{method.name}[/] on {task.name}: held-out accuracy before = {state.eval_before:.3f}")
 
-    monitor = _monitor(logger.history, state.step) if cfg.guard else None
+    monitor = make_monitor(logger.history, state.step) if cfg.guard else None
     started = time.perf_counter()
     steps_done = rollouts = 0
     step_seconds = 0.0  # time inside RL steps only (no evaluation or checkpointing)
@@ -244,8 +193,8 @@ def train(cfg: TrainConfig, method: Method, *, model_dir: str, task: Task, run_d
             logger.log(state.step, metrics)
             reason = monitor.update(state.step, metrics) if monitor is not None else None
             if reason is not None:  # --guard: back to the last good checkpoint with a lower learning rate
-                state = _roll_back(run, state, learner, extra, critic_opt, cfg, reason, console)
-                monitor = _monitor(logger.history, state.step)
+                state = roll_back(run, state, learner, extra, critic_opt, cfg, reason, console)
+                monitor = make_monitor(logger.history, state.step)
                 logger.log(state.step, {"guard/rollbacks": state.rollbacks, "guard/lr": learner.lr})
                 bar.update(task_bar, completed=state.step)
                 continue

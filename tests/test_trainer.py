@@ -181,7 +181,7 @@ def test_non_finite_losses_skip_steps_then_stop_with_a_clear_error(tiny_model, t
 
 def test_zero_grad_by_quarter_counts_clipped_tokens_by_position():
     from polyrl.objectives import build_method, policy_loss
-    from polyrl.trainer import zero_grad_by_quarter
+    from polyrl.objectives.objective import zero_grad_by_quarter
     from polyrl.types import LossInputs, Normalizer
 
     # One response of 8 tokens, A > 0: the last two tokens have ratio 2 (clipped by PPO), the rest ratio 1.
@@ -200,7 +200,7 @@ def test_zero_grad_by_quarter_counts_clipped_tokens_by_position():
 
 
 def test_guard_rolls_back_to_last_checkpoint_and_lowers_lr(tiny_model, tmp_path, monkeypatch):
-    import polyrl.trainer as trainer_mod
+    import polyrl.guard as guard_mod
 
     class CollapseOnceAtStep3:
         fired = False
@@ -214,7 +214,7 @@ def test_guard_rolls_back_to_last_checkpoint_and_lowers_lr(tiny_model, tmp_path,
                 return "eval/accuracy fell below half its best"
             return None
 
-    monkeypatch.setattr(trainer_mod, "CollapseMonitor", CollapseOnceAtStep3)
+    monkeypatch.setattr(guard_mod, "CollapseMonitor", CollapseOnceAtStep3)
     cfg = _cfg(steps=5, guard=True, checkpoint_every=2, guard_lr_factor=0.5, lr=1e-3)
     summary = train(cfg, get_method("grpo"), model_dir=tiny_model, task=_task(), run_dir=str(tmp_path), console=QUIET)
     assert summary["steps"] == 5

@@ -240,6 +240,27 @@ def policy_loss(inp: LossInputs, method: Method) -> LossOutput:
     return LossOutput(loss=loss, per_token_loss=per_token, metrics=metrics, surrogate=surrogate)
 
 
+def zero_grad_by_quarter(surrogate: Tensor, logp: Tensor, mask: Tensor,
+                         adv: Tensor) -> Tensor:
+    """[2, 4]: (zero-gradient tokens, loss tokens with A != 0) per quarter of relative position in the response.
+
+    A token whose surrogate gradient is exactly zero was clipped or masked by the trust region: the
+    DPPO/CPPO diagnostic of *where* in a response the trust region binds. Only the small loss graph
+    is differentiated (down to the log-probs), never the model.
+    """
+    (g,) = torch.autograd.grad(surrogate.sum(), logp, retain_graph=True, allow_unused=True)
+    out = torch.zeros(2, 4)
+    if g is None:
+        return out
+    lengths = mask.sum(-1, keepdim=True).clamp_min(1.0)
+    pos = (torch.cumsum(mask, -1) - 1.0).clamp_min(0.0)
+    quarter = torch.clamp((4.0 * pos / lengths).long(), max=3)
+    real = (mask > 0) & (adv != 0)  # a zero advantage gives a zero gradient whatever the trust region does
+    out[0].index_add_(0, quarter[real], ((g == 0) & real)[real].float())
+    out[1].index_add_(0, quarter[real], torch.ones(int(real.sum())))
+    return out
+
+
 def kl_reward_penalty(method: Method, old_logp: Tensor, ref_logp: Tensor, mask: Tensor) -> Tensor:
     """Per-token reward penalty kl_coef * KL(old, ref), detached [B, T] (zeros unless placement is reward).
 
@@ -253,4 +274,5 @@ def kl_reward_penalty(method: Method, old_logp: Tensor, ref_logp: Tensor, mask: 
     return method.kl_coef * kl * mask
 
 
-__all__ = ["Method", "build_method", "override", "policy_loss", "kl_reward_penalty", "masked_mean"]
+__all__ = ["Method", "build_method", "override", "policy_loss", "kl_reward_penalty", "masked_mean",
+           "zero_grad_by_quarter"]
