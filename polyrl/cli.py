@@ -167,8 +167,6 @@ def resolve_train(args: argparse.Namespace):
     if method.needs_groups and cfg.group_size < 2:
         raise ConfigError(f"group_size = {cfg.group_size} is not allowed with advantage '{method.advantage.name}' "
                           "(a group estimator needs >= 2 completions per prompt)")
-    if method.needs_values and cfg.minibatches < 1:
-        raise ConfigError("minibatches must be >= 1")
     try:
         task = get_task(cfg.task, data_file=cfg.data_file)
         if cfg.reward_funcs:

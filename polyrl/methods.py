@@ -14,7 +14,7 @@ from typing import Any
 
 from polyrl import objectives, shaping  # noqa: F401  (imported to register every part)
 from polyrl.objectives import Method, build_method, override
-from polyrl.registry import PartError
+from polyrl.registry import unknown
 
 PRESETS: dict[str, Callable[[], Method]] = {}
 
@@ -34,11 +34,7 @@ def preset(fn: Callable[[], Method]) -> Callable[[], Method]:
 def get_method(name: str, **overrides: Any) -> Method:
     """Return preset ``name`` with optional part overrides, validated (raises PartError)."""
     if name not in PRESETS:
-        import difflib
-
-        near = difflib.get_close_matches(name, PRESETS, n=1)
-        hint = f" (did you mean {near[0]!r}?)" if near else ""
-        raise PartError(f"unknown method {name!r}{hint}; allowed: {', '.join(sorted(PRESETS))}")
+        raise unknown("method", name, PRESETS)
     method = PRESETS[name]()
     return override(method, **overrides) if overrides else method
 

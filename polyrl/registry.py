@@ -82,6 +82,17 @@ def _in_range(value: float, rule: str) -> bool:
     return lo_ok and hi_ok
 
 
+def did_you_mean(name: str, options) -> str:
+    """`` (did you mean 'x'?)`` for the closest of ``options``, or an empty string."""
+    near = difflib.get_close_matches(name, list(options), n=1)
+    return f" (did you mean {near[0]!r}?)" if near else ""
+
+
+def unknown(what: str, name: str, options) -> PartError:
+    """The one-line error for a name that is not registered: the nearest name and every allowed one."""
+    return PartError(f"unknown {what} {name!r}{did_you_mean(name, options)}; allowed: {', '.join(sorted(options))}")
+
+
 def _fmt(v: Any) -> str:
     return repr(v) if isinstance(v, str) else str(v)
 
@@ -206,11 +217,7 @@ class Registry:
 
     def spec(self, name: str) -> PartSpec:
         if name not in self._specs:
-            near = difflib.get_close_matches(name, self._specs, n=1)
-            hint = f" (did you mean {near[0]!r}?)" if near else ""
-            raise PartError(
-                f"unknown {self.kind} {name!r}{hint}; allowed: {', '.join(self.names())}"
-            )
+            raise unknown(self.kind, name, self._specs)
         return self._specs[name]
 
     def fn(self, name: str) -> Callable[..., Any]:
@@ -224,9 +231,8 @@ class Registry:
         for key, raw in (params or {}).items():
             if key not in spec.settings:
                 allowed = ", ".join(spec.settings) or "none"
-                near = difflib.get_close_matches(key, spec.settings, n=1)
-                hint = f" (did you mean {near[0]!r}?)" if near else ""
-                raise PartError(f"{where}: unknown parameter {key!r}{hint}; allowed parameters: {allowed}")
+                raise PartError(f"{where}: unknown parameter {key!r}{did_you_mean(key, spec.settings)}; "
+                                f"allowed parameters: {allowed}")
             tp = spec.types[key]
             try:
                 value = _coerce(raw, tp)

@@ -16,7 +16,7 @@ from typing import Any
 import polyrl.objectives  # noqa: F401  (registers the advantage estimators)
 from polyrl.flow.losses import FLOW_LOSSES
 from polyrl.flow.sampler import REDUCES, SCHEDULES
-from polyrl.registry import ADVANTAGES, Part, PartError, Registry, parse_part
+from polyrl.registry import ADVANTAGES, Part, PartError, Registry, parse_part, unknown
 
 # Sequence-level estimators that return one advantage per sample [B] (token-level ones do not apply).
 FLOW_ADVANTAGES = ("grpo", "group_centered", "group_centered_batch_std", "rloo", "maxrl", "reinforce")
@@ -139,11 +139,7 @@ def fpo() -> FlowMethod:
 def get_flow_method(name: str, **overrides: Any) -> FlowMethod:
     """Preset ``name`` with overrides (advantage, loss, schedule, eta, reduce, cfm_samples), validated."""
     if name not in FLOW_METHODS:
-        import difflib
-
-        near = difflib.get_close_matches(name, FLOW_METHODS, n=1)
-        hint = f" (did you mean {near[0]!r}?)" if near else ""
-        raise PartError(f"unknown flow method {name!r}{hint}; allowed: {', '.join(sorted(FLOW_METHODS))}")
+        raise unknown("flow method", name, FLOW_METHODS)
     m = FLOW_METHODS[name]()
     allowed = ("advantage", "loss", "schedule", "eta", "reduce", "cfm_samples")
     for key in overrides:

@@ -40,6 +40,10 @@ def scatter_before_after(before: Mapping[str, Any], after: Mapping[str, Any], ta
         ax.grid(alpha=0.3)
     if title:
         fig.suptitle(title)
+    return _save(plt, fig, path)
+
+
+def _save(plt, fig, path: str | Path) -> Path:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -72,7 +76,4 @@ def reward_vs_kl(curves: Sequence[Mapping[str, Any]], path: str | Path, *, title
     ax.legend(fontsize=8)
     if title:
         ax.set_title(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return Path(path)
+    return _save(plt, fig, path)

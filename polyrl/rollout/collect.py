@@ -68,7 +68,7 @@ def collect(
     no-positive-resampling removes a prompt once it was solved often enough.
     """
     G = params.n
-    kept_groups: list[tuple[int, Prompt, list[Sample], Tensor, Tensor, Tensor, Tensor | None]] = []
+    kept_groups: list[tuple[int, Prompt, list[Sample], Tensor, Tensor, Tensor, Tensor | None, Tensor, Tensor]] = []
     generated = useful = rounds = 0
     tokens_generated = 0
     while len(kept_groups) < num_groups and rounds < max_rounds:
@@ -99,7 +99,7 @@ def collect(
             history[pool_idx] = max(history.get(pool_idx, 0.0), float(scores[rows].clamp(0, 1).mean()))
             if keep[rows].any() and len(kept_groups) < num_groups:
                 kept_groups.append((pool_idx, prompt, samples[rows], scores[rows], rewards[rows], keep[rows],
-                                    None if channels is None else channels[rows]))
+                                    None if channels is None else channels[rows], lengths[rows], truncated[rows]))
     if not kept_groups:
         raise NoUsableGroups(
             f"every sampled group was filtered out in {rounds} generation round(s) "
@@ -125,7 +125,7 @@ def collect(
         rewards=torch.cat([grp[4] for grp in kept_groups]),
         keep=torch.cat([grp[5] for grp in kept_groups]),
         channels=None if kept_groups[0][6] is None else torch.cat([grp[6] for grp in kept_groups]),
-        truncated=torch.tensor([s.finish_reason == "length" for s in samples]),
-        lengths=torch.tensor([len(s.completion_token_ids) for s in samples]),
+        truncated=torch.cat([grp[8] for grp in kept_groups]),
+        lengths=torch.cat([grp[7] for grp in kept_groups]),
         stats=stats,
     )
