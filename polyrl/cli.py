@@ -167,6 +167,17 @@ def resolve_train(args: argparse.Namespace):
     if method.needs_groups and cfg.group_size < 2:
         raise ConfigError(f"group_size = {cfg.group_size} is not allowed with advantage '{method.advantage.name}' "
                           "(a group estimator needs >= 2 completions per prompt)")
+    if cfg.sampler == "tree" and (not method.needs_groups or method.needs_values or method.filters):
+        raise ConfigError(f"sampler = 'tree' needs a group advantage estimator and no group filters; method "
+                          f"{method.name!r} has advantage {method.advantage.name!r} and filters "
+                          f"{[f.name for f in method.filters]} (try --advantage grpo --filter none)")
+    if cfg.agency is not None and not method.corrections and getattr(args, "correction", None) is None:
+        # The behaviour policy is the baseline/learner mixture: importance weights pi_theta / mu keep the update
+        # on-policy for the learner (truncated at C = 2, verl's default); an explicit --correction overrides.
+        from polyrl.objectives import override
+
+        method = override(method, corrections=["tis"])
+        console.print("agency transfer: adding the TIS correction (pi_theta / mixture, C = 2) to the method")
     try:
         task = get_task(cfg.task, data_file=cfg.data_file)
         if cfg.reward_funcs:
@@ -240,9 +251,10 @@ class OneLineParser(argparse.ArgumentParser):
 
 def cmd_compare(args: argparse.Namespace) -> int:
     from polyrl.lab import CollapseRule, analyse, print_ranking, write_report
-    from polyrl.lab.compare import parse_method_args, plan_runs, run_all, validate_runs
+    from polyrl.lab.compare import parse_method_args, plan_runs, run_all, split_label, validate_runs
 
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    presets = dict(split_label(m) for m in args.methods.split(",") if m.strip())  # label -> preset
+    methods = list(presets)
     if not methods:
         raise ConfigError("methods = '' : give at least one preset, e.g. --methods grpo,dapo")
     if args.seeds < 1 or args.workers < 1:
@@ -254,9 +266,10 @@ def cmd_compare(args: argparse.Namespace) -> int:
         from polyrl.tinylm import warmstart
 
         model = warmstart(args.task, cache_dir() / "warmstart", seed=0).path
-    validate_runs(methods, shared, per_method, model)
+    validate_runs(methods, shared, per_method, model, presets)
     out = Path(args.out)
-    specs = plan_runs(methods, list(range(args.seeds)), out, shared, per_method, model, workers=args.workers)
+    specs = plan_runs(methods, list(range(args.seeds)), out, shared, per_method, model, workers=args.workers,
+                      presets=presets)
     console.print(f"{len(specs)} run(s) to do of {len(methods) * args.seeds} (others finished); model {model}")
     failed = [s for s, code, _ in run_all(specs, workers=args.workers, console=console) if code != 0]
     results = analyse(out, threshold=args.threshold, collapse_rule=CollapseRule(drop_fraction=args.collapse_drop),
@@ -289,7 +302,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("compare", help="run methods x seeds on one task and report stability and efficiency",
                        description="Any other option is passed to every `polyrl train` run (e.g. --steps 150 "
                                    "--epochs-per-batch 4 --lr 3e-4).")
-    p.add_argument("--methods", required=True, help="comma-separated presets, e.g. grpo,dapo,cispo,dppo_tv")
+    p.add_argument("--methods", required=True, help="comma-separated presets, e.g. grpo,dapo,cispo,dppo_tv; "
+                   "LABEL=PRESET names a variant (uniform=grpo,tree=grpo with --method-args 'tree=--sampler tree')")
     p.add_argument("--seeds", type=int, default=3, help="seeds per method (0 .. N-1)")
     p.add_argument("--task", default="addition", help="task for every run")
     p.add_argument("--model", help="start every run from this model directory (default: the task's warm start)")

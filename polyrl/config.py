@@ -32,7 +32,7 @@ class TrainConfig:
     method: str = "grpo"
     """preset name (see `polyrl methods`)"""
     task: str = "addition"
-    """task name: addition, countdown, math (needs --data-file)"""
+    """task name: addition, addition_mixed, calculator (tool use), countdown, math (needs --data-file)"""
     data_file: str | None = None
     """JSONL or Parquet file with prompt/answer columns for the math task"""
     reward_funcs: str | None = None
@@ -77,6 +77,24 @@ class TrainConfig:
     """critic value clipping range eps_v (GAE presets only)"""
     max_gen_rounds: int = 4
     """dynamic sampling: generation rounds per step at most when filters drop groups"""
+    train_prompts: int = 0
+    """size of the training prompt pool the stream cycles through (0 = the whole train split)"""
+    sampler: Literal["uniform", "tree"] = "uniform"
+    """rollout allocation: uniform (G per prompt) or tree (TRACE-style roots + branches, same budget)"""
+    tree_root_frac: float = 0.5
+    """tree sampler: share of the rollout budget spent on prompt roots (the rest goes to branches)"""
+    tree_candidates: float = 2.0
+    """tree sampler: candidate prompts drawn per group slot (the allocation may skip some)"""
+    tree_prune: float = 0.05
+    """tree sampler: anchors predicted to succeed with p < prune or p > 1 - prune get no rollouts"""
+    agency: str | None = None
+    """agency transfer: local model directory of a frozen baseline policy that acts first"""
+    agency_schedule: str = "linear:steps=50"
+    """agency transfer: the baseline's share beta(step): linear:steps=N, exp:tau=T or step:steps=N"""
+    agency_mode: Literal["token", "sequence"] = "token"
+    """agency transfer: the arbiter picks the acting policy per token or per completion"""
+    async_staleness: int = 0
+    """asynchronous pipeline: a generation process runs up to k policy versions ahead (0 = synchronous)"""
     eval_every: int = 25
     """held-out greedy evaluation every N steps (0 = only before and after)"""
     eval_prompts: int = 200
@@ -195,7 +213,8 @@ def validate(cfg: TrainConfig) -> None:
                  "micro_batch_size", "eval_prompts", "max_gen_rounds", "max_bad_steps"):
         v = getattr(cfg, name)
         _rule(name, v, v >= 1, "must be an integer >= 1")
-    for name in ("warmup_steps", "eval_every", "checkpoint_every", "threads", "top_k", "log_every"):
+    for name in ("warmup_steps", "eval_every", "checkpoint_every", "threads", "top_k", "log_every", "train_prompts",
+                 "async_staleness"):
         v = getattr(cfg, name)
         _rule(name, v, v >= 0, "must be an integer >= 0")
     _rule("lr", cfg.lr, cfg.lr > 0, "must be > 0")
@@ -207,6 +226,26 @@ def validate(cfg: TrainConfig) -> None:
     if cfg.guard:
         _rule("checkpoint_every", cfg.checkpoint_every, cfg.checkpoint_every >= 1,
               "must be >= 1 with --guard (the guard rolls back to a checkpoint)")
+    _rule("tree_root_frac", cfg.tree_root_frac, 0 < cfg.tree_root_frac <= 1, "must be in (0, 1]")
+    _rule("tree_candidates", cfg.tree_candidates, cfg.tree_candidates >= 1, "must be >= 1")
+    _rule("tree_prune", cfg.tree_prune, 0 <= cfg.tree_prune < 0.5, "must be in [0, 0.5)")
+    if cfg.agency is not None:
+        _rule("agency", cfg.agency, Path(cfg.agency).is_dir(), "must be an existing local model directory")
+        from polyrl.rollout.agency import parse_schedule
+
+        try:
+            parse_schedule(cfg.agency_schedule)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+    if cfg.async_staleness:
+        _rule("async_staleness", cfg.async_staleness, cfg.sampler == "uniform",
+              f"needs sampler = 'uniform' (got sampler = {cfg.sampler!r})")
+        _rule("async_staleness", cfg.async_staleness, not cfg.guard,
+              "does not combine with --guard (a rollback would send the generation process older weights)")
+        _rule("async_staleness", cfg.async_staleness, cfg.agency is None,
+              "does not combine with agency transfer (the baseline would have to live in the generation process)")
+    if cfg.sampler == "tree":
+        _rule("sampler", cfg.sampler, cfg.group_size >= 2, "'tree' needs group_size >= 2")
     _rule("value_clip", cfg.value_clip, cfg.value_clip > 0, "must be > 0")
     _rule("temperature", cfg.temperature, cfg.temperature > 0, "must be > 0")
     _rule("top_p", cfg.top_p, 0 < cfg.top_p <= 1, "must be in (0, 1]")

@@ -28,11 +28,13 @@ class TokenBatch:
     input_ids: Tensor  # [B, P + T] left-padded prompt, then right-padded completion
     attention_mask: Tensor  # [B, P + T]
     completion_mask: Tensor  # [B, T] 1 for sampled completion tokens (EOS included)
-    rollout_logp: Tensor  # [B, T] log-probs reported by the sampler (0 at padding)
+    rollout_logp: Tensor  # [B, T] log-probs reported by the sampler (0 at padding and environment tokens)
+    loss_mask: Tensor  # [B, T] 1 for tokens the policy chose; environment and copied-prefix tokens are 0
+    turn_ids: Tensor  # [B, T] long: agent-turn index of each completion token (0 for single-turn tasks)
 
     def rows(self, index: Tensor | slice) -> TokenBatch:
         return TokenBatch(self.input_ids[index], self.attention_mask[index], self.completion_mask[index],
-                          self.rollout_logp[index])
+                          self.rollout_logp[index], self.loss_mask[index], self.turn_ids[index])
 
     @staticmethod
     def from_samples(samples: list[Sample], pad_id: int) -> TokenBatch:
@@ -43,6 +45,8 @@ class TokenBatch:
         attn = torch.zeros((B, P + T), dtype=torch.long)
         comp = torch.zeros((B, T), dtype=torch.float32)
         logp = torch.zeros((B, T), dtype=torch.float32)
+        loss_mask = torch.zeros((B, T), dtype=torch.float32)
+        turns = torch.zeros((B, T), dtype=torch.long)
         for i, s in enumerate(samples):
             p, c = len(s.prompt_token_ids), len(s.completion_token_ids)
             ids[i, P - p:P] = torch.tensor(s.prompt_token_ids)
@@ -51,7 +55,10 @@ class TokenBatch:
                 ids[i, P:P + c] = torch.tensor(s.completion_token_ids)
                 comp[i, :c] = 1.0
                 logp[i, :c] = torch.tensor(s.logprobs)
-        return TokenBatch(ids, attn, comp, logp)
+                loss_mask[i, :c] = 1.0 if s.loss_mask is None else torch.tensor(s.loss_mask, dtype=torch.float32)
+                if s.turn_ids is not None:
+                    turns[i, :c] = torch.tensor(s.turn_ids)
+        return TokenBatch(ids, attn, comp, logp, loss_mask, turns)
 
 
 SEGMENT_END = ".,;:!?\n"

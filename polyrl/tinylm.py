@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
+from polyrl.rollout.episodes import EpisodeRunner
 from polyrl.rollout.generator import SamplingParams
 from polyrl.rollout.hf import HFGenerator
 from polyrl.tasks import Task, get_task
@@ -195,9 +196,10 @@ def _train(model, tokenizer, task: Task, *, threshold: float, max_steps: int, ev
            lr: float, batch_size: int, eval_size: int, progress: bool) -> tuple[float, int]:
     """Supervised training loop; returns (accuracy, steps) at the first evaluation reaching threshold."""
     test = task.prompts("test", eval_size, seed)
-    answer_tokens = max(len(tokenizer(p.answer, add_special_tokens=False)["input_ids"]) for p in test)
+    targets = [p.answer if p.demo is None else p.demo for p in test]
+    answer_tokens = max(len(tokenizer(t, add_special_tokens=False)["input_ids"]) for t in targets)
     greedy = SamplingParams(n=1, max_new_tokens=answer_tokens + 2, temperature=0.0)
-    generator = HFGenerator(model, tokenizer)
+    runner = EpisodeRunner(HFGenerator(model, tokenizer), tokenizer, task)  # multi-turn tasks call their tool
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (WARMUP_STEPS + 1)))
     best = 0.0
@@ -223,7 +225,7 @@ def _train(model, tokenizer, task: Task, *, threshold: float, max_steps: int, ev
             bar.update(job, completed=step, loss=loss.item())
             if step % eval_every == 0 or step == max_steps:
                 model.eval()
-                samples = generator.generate([p.text for p in test], greedy)
+                samples = runner.sample(test, greedy)
                 accuracy = sum(task.reward(p, s.text)[0] for p, s in zip(test, samples)) / len(test)
                 best = max(best, accuracy)
                 bar.update(job, acc=accuracy)
@@ -239,7 +241,7 @@ def _train(model, tokenizer, task: Task, *, threshold: float, max_steps: int, ev
 def _supervised_batch(tokenizer, batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Right-padded prompt + answer + EOS; loss mask [B, L-1] on predictions of answer and EOS tokens."""
     prompts = tokenizer([p.text for p in batch], add_special_tokens=True)["input_ids"]
-    answers = tokenizer([p.answer for p in batch], add_special_tokens=False)["input_ids"]
+    answers = tokenizer([p.answer if p.demo is None else p.demo for p in batch], add_special_tokens=False)["input_ids"]
     rows = [p + a + [tokenizer.eos_token_id] for p, a in zip(prompts, answers)]
     width = max(len(r) for r in rows)
     input_ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)

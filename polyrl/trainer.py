@@ -12,7 +12,7 @@ One RL step:
 from __future__ import annotations
 
 import copy
-import math
+import os
 import random
 import time
 from collections.abc import Callable
@@ -27,26 +27,22 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from polyrl.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from polyrl.config import TrainConfig, to_dict
-from polyrl.errors import TrainingError
 from polyrl.guard import make_monitor, roll_back
-from polyrl.learner import (
-    LocalLearner,
-    TokenBatch,
-    ValueHead,
-    boundary_token_ids,
-    clipped_value_loss,
-    segment_ids,
-)
+from polyrl.learner import LocalLearner, TokenBatch, ValueHead, boundary_token_ids, segment_ids
 from polyrl.logging import RunLogger, peak_rss_mb, plot_curves, write_summary
-from polyrl.objectives import Method, kl_reward_penalty, policy_loss
-from polyrl.objectives.objective import masked_mean, zero_grad_by_quarter
+from polyrl.objectives import Method, kl_reward_penalty
+from polyrl.objectives.objective import masked_mean
 from polyrl.objectives.token_advantages import gae_advantages_and_returns
 from polyrl.registry import ADVANTAGES
+from polyrl.rollout.agency import AgencyArbiter, parse_schedule
 from polyrl.rollout.collect import NoUsableGroups, RolloutBatch, collect
+from polyrl.rollout.episodes import EpisodeRunner
 from polyrl.rollout.generator import SamplingParams
 from polyrl.rollout.hf import HFGenerator
+from polyrl.rollout.pipeline import AsyncPipeline, prefetched
+from polyrl.rollout.tree import TreeSampler, tree_advantages
 from polyrl.tasks.base import Prompt, Task
-from polyrl.types import LossInputs, Normalizer, group_token_counts
+from polyrl.update import Scored, update_policy
 
 
 @dataclass
@@ -62,6 +58,7 @@ class TrainState:
     rollbacks: int = 0  # collapse-guard rollbacks so far
     eval_before: float | None = None
     last_samples: list | None = None  # a few (prompt, completion, reward) of the latest batch, for samples.jsonl
+    pass_counts: dict[int, list[float]] | None = None  # tree sampler: pool index -> [successes, trials]
 
 
 @dataclass
@@ -70,6 +67,7 @@ class Components:
 
     learner: LocalLearner
     generator: HFGenerator
+    runner: EpisodeRunner  # samples single-turn completions or multi-turn tool episodes with the generator
     task: Task
     draw: Callable[[int, int], list[tuple[int, Prompt]]]  # training prompt stream
     boundaries: frozenset[int]  # token ids that end a sub-sentence (segment ids for SSPO)
@@ -77,20 +75,32 @@ class Components:
     critic: ValueHead | None = None
     critic_opt: torch.optim.Optimizer | None = None
     topk: int = 0  # top-K support size when the trust region reads it
+    tree: TreeSampler | None = None  # --sampler tree
+    pipeline: AsyncPipeline | None = None  # --async-staleness k
 
 
-def evaluate(generator: HFGenerator, task: Task, prompts: list[Prompt], max_new_tokens: int) -> float:
-    """Held-out greedy accuracy: mean task reward of one greedy completion per prompt."""
-    samples = generator.generate([p.text for p in prompts], SamplingParams(n=1, temperature=0.0,
-                                                                           max_new_tokens=max_new_tokens))
+def evaluate(runner: EpisodeRunner, task: Task, prompts: list[Prompt], max_new_tokens: int) -> float:
+    """Held-out greedy accuracy: mean task reward of one greedy completion (or tool episode) per prompt."""
+    samples = runner.sample(prompts, SamplingParams(n=1, temperature=0.0, max_new_tokens=max_new_tokens))
     return float(np.mean([task.reward(prompts[s.prompt_index], s.text)[0] for s in samples]))
+
+
+def evaluate_all(parts: Components, prompts: list[Prompt], max_new_tokens: int) -> dict[str, float]:
+    """eval/accuracy of the acting system; with agency transfer also the standalone learner's."""
+    out = {"eval/accuracy": evaluate(parts.runner, parts.task, prompts, max_new_tokens)}
+    arbiter = parts.generator.arbiter
+    if arbiter is not None:
+        beta, arbiter.beta = arbiter.beta, 0.0
+        out["eval/learner_accuracy"] = evaluate(parts.runner, parts.task, prompts, max_new_tokens)
+        out["agency/beta"], arbiter.beta = beta, beta
+    return out
 
 
 def prompt_stream(task: Task, seed: int, pool_size: int = 100_000) -> Callable[[int, int], list[tuple[int, Prompt]]]:
     """Deterministic training stream: ``draw(pos, k)`` returns the k prompts after position ``pos``.
 
-    The task's seeded shuffle cycles through the train split, so position alone fixes the data
-    (which is what makes resume exact).
+    The task's seeded shuffle cycles through a pool of ``pool_size`` train prompts, so position alone
+    fixes the data (which is what makes resume exact).
     """
     pool = task.prompts("train", pool_size, seed)
     index = {p.id: i for i, p in enumerate(pool)}
@@ -117,11 +127,14 @@ def _seed_everything(seed: int) -> None:
 
 def _advantages(method: Method, batch: RolloutBatch, mask: torch.Tensor, values, token_rewards) -> torch.Tensor:
     spec = method.advantage
+    fn = ADVANTAGES.fn(spec.name)
+    if batch.tree is not None:  # tree rollouts: root groups before the branch point, sibling groups after
+        return tree_advantages(lambda r, g, m: fn(r, g, m, None, None, **spec.params), batch.rewards.double(),
+                               batch.tree, mask.double()).float()
     # Estimators tagged "channels" (GDPO) normalise each reward channel separately when the task has several.
     per_channel = "channels" in ADVANTAGES.spec(spec.name).tags and batch.channels is not None
     rewards = batch.channels if per_channel else batch.rewards
-    adv = ADVANTAGES.fn(spec.name)(rewards.double(), batch.group_ids, mask.double(), values, token_rewards,
-                                   **spec.params)
+    adv = fn(rewards.double(), batch.group_ids, mask.double(), values, token_rewards, **spec.params)
     adv = adv.float()
     return adv[:, None].expand_as(mask).contiguous() if adv.dim() == 1 else adv
 
@@ -133,7 +146,7 @@ def train(cfg: TrainConfig, method: Method, *, model_dir: str, task: Task, run_d
     _seed_everything(cfg.seed)
     from polyrl.model import load_policy
 
-    policy, tokenizer = load_policy(model_dir, dtype=cfg.dtype, threads=cfg.threads or None)
+    policy, tokenizer = load_policy(model_dir, dtype=cfg.dtype, threads=_trainer_threads(cfg))
     learner = LocalLearner(policy, lr=cfg.lr, weight_decay=cfg.weight_decay, warmup_steps=cfg.warmup_steps,
                            max_grad_norm=cfg.max_grad_norm, temperature=cfg.temperature, top_p=cfg.top_p,
                            top_k=cfg.top_k, fp32_head=cfg.fp32_lm_head, micro_batch_size=cfg.micro_batch_size)
@@ -143,12 +156,15 @@ def train(cfg: TrainConfig, method: Method, *, model_dir: str, task: Task, run_d
     critic_opt = torch.optim.AdamW(critic.parameters(), lr=cfg.critic_lr) if critic is not None else None
     # The sampler shares the policy module, so its weights are always current (no push needed in-process).
     generator = HFGenerator(policy, tokenizer, fp32_head=cfg.fp32_lm_head)
-    topk = TOPK if method.needs_topk else 0
-    draw = prompt_stream(task, cfg.seed)
+    if cfg.agency is not None:  # agency transfer: a frozen baseline acts first, the learner takes over
+        baseline, _ = load_policy(cfg.agency, dtype=cfg.dtype)
+        generator.arbiter = AgencyArbiter(baseline, parse_schedule(cfg.agency_schedule), mode=cfg.agency_mode)
+    runner = EpisodeRunner(generator, tokenizer, task)
+    draw = prompt_stream(task, cfg.seed, cfg.train_prompts or 100_000)
     eval_prompts = task.prompts("test", cfg.eval_prompts, seed=0)
 
     run = Path(run_dir)
-    state = TrainState(history={})
+    state = TrainState(history={}, pass_counts={})
     extra = {"critic": critic} if critic is not None else {}
     if reference is not None and method.ref_sync_every:
         extra["reference"] = reference  # a synced reference is state; a frozen one is the starting model
@@ -162,14 +178,24 @@ def train(cfg: TrainConfig, method: Method, *, model_dir: str, task: Task, run_d
             critic_opt.load_state_dict(critic_opt_state)
         console.print(f"resumed from {resume_from} at step {state.step}")
 
-    parts = Components(learner=learner, generator=generator, task=task, draw=draw,
+    parts = Components(learner=learner, generator=generator, runner=runner, task=task, draw=draw,
                        boundaries=boundary_token_ids(tokenizer), reference=reference, critic=critic,
-                       critic_opt=critic_opt, topk=topk)
+                       critic_opt=critic_opt, topk=TOPK if method.needs_topk else 0)
+    if cfg.sampler == "tree":
+        parts.tree = TreeSampler(runner, state.pass_counts, root_frac=cfg.tree_root_frac,
+                                 candidate_factor=cfg.tree_candidates, prune=cfg.tree_prune)
+    if cfg.async_staleness:
+        parts.pipeline = AsyncPipeline(model_dir, task_name=cfg.task, data_file=cfg.data_file,
+                                       staleness=cfg.async_staleness, dtype=cfg.dtype, fp32_head=cfg.fp32_lm_head,
+                                       threads=_generator_threads(cfg), weights=policy.state_dict(), version=state.step)
     logger = RunLogger(run, tensorboard=cfg.tensorboard, wandb=cfg.wandb, console=console,
                        table_every=cfg.log_every, config=to_dict(cfg))
+    if generator.arbiter is not None:
+        generator.arbiter.set_step(state.step)
     if state.eval_before is None:
-        state.eval_before = evaluate(generator, task, eval_prompts, cfg.max_new_tokens)
-        logger.log(state.step, {"eval/accuracy": state.eval_before})
+        first = evaluate_all(parts, eval_prompts, cfg.max_new_tokens)
+        state.eval_before = first["eval/accuracy"]
+        logger.log(state.step, first)
     console.print(f"[bold]{method.name}[/] on {task.name}: held-out accuracy before = {state.eval_before:.3f}")
 
     monitor = make_monitor(logger.history, state.step) if cfg.guard else None
@@ -189,7 +215,7 @@ def train(cfg: TrainConfig, method: Method, *, model_dir: str, task: Task, run_d
             step_seconds += metrics["perf/step_seconds"]
             metrics["perf/lr"] = learner.lr
             if cfg.eval_every and state.step % cfg.eval_every == 0 and state.step < cfg.steps:
-                metrics["eval/accuracy"] = evaluate(generator, task, eval_prompts, cfg.max_new_tokens)
+                metrics.update(evaluate_all(parts, eval_prompts, cfg.max_new_tokens))
             logger.log(state.step, metrics)
             reason = monitor.update(state.step, metrics) if monitor is not None else None
             if reason is not None:  # --guard: back to the last good checkpoint with a lower learning rate
@@ -205,8 +231,13 @@ def train(cfg: TrainConfig, method: Method, *, model_dir: str, task: Task, run_d
                 save_checkpoint(run, state.step, **learner.state(), state=_state_dict(state, critic_opt),
                                 extra_models=extra)
 
-    eval_after = evaluate(generator, task, eval_prompts, cfg.max_new_tokens)
-    logger.log(state.step, {"eval/accuracy": eval_after})
+    if parts.pipeline is not None:
+        parts.pipeline.close()
+    if generator.arbiter is not None:
+        generator.arbiter.set_step(state.step)
+    last = evaluate_all(parts, eval_prompts, cfg.max_new_tokens)
+    eval_after = last["eval/accuracy"]
+    logger.log(state.step, last)
     save_checkpoint(run, state.step, **learner.state(), state=_state_dict(state, critic_opt), extra_models=extra)
     wall = time.perf_counter() - started
     logger.close()
@@ -217,6 +248,8 @@ def train(cfg: TrainConfig, method: Method, *, model_dir: str, task: Task, run_d
         "rollouts_per_second": rollouts / max(step_seconds, 1e-9),
         "skipped_steps": state.skipped_total, "peak_rss_mb": peak_rss_mb(),
     }
+    if "eval/learner_accuracy" in last:  # agency transfer: the standalone learner, and the acting system's beta
+        summary.update(learner_eval_after=last["eval/learner_accuracy"], agency_beta_after=last["agency/beta"])
     write_summary(run, summary)
     plot_curves(logger.history, run / "curves.png")
     return summary
@@ -225,10 +258,20 @@ def train(cfg: TrainConfig, method: Method, *, model_dir: str, task: Task, run_d
 TOPK = 8  # support size for trust regions that read top-K log-probs (tag "needs_topk")
 
 
+def _generator_threads(cfg: TrainConfig) -> int:
+    """Threads of the asynchronous generation process: half the cores (the trainer keeps the rest)."""
+    return max(1, (cfg.threads or os.cpu_count() or 1) // 2)
+
+
+def _trainer_threads(cfg: TrainConfig) -> int | None:
+    if cfg.async_staleness:
+        return max(1, (cfg.threads or os.cpu_count() or 1) - _generator_threads(cfg))
+    return cfg.threads or None
+
+
 def rl_step(cfg: TrainConfig, method: Method, state: TrainState, parts: Components) -> dict[str, float]:
     """One RL step: collect, score, advantages, update. Returns the step's metrics."""
-    learner, generator, reference, critic, topk = (parts.learner, parts.generator, parts.reference, parts.critic,
-                                                   parts.topk)
+    learner, reference, critic, topk = parts.learner, parts.reference, parts.critic, parts.topk
     # 1. collect ----------------------------------------------------------------------------------
     def draw_next(k: int) -> list[tuple[int, Prompt]]:
         out = parts.draw(state.data_pos, k)
@@ -236,20 +279,31 @@ def rl_step(cfg: TrainConfig, method: Method, state: TrainState, parts: Componen
         return out
 
     t_start = time.perf_counter()
-    params = SamplingParams(n=cfg.group_size, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
-                            top_p=cfg.top_p, top_k=cfg.top_k or None, seed=cfg.seed * 1_000_003 + state.step)
+    params = _sampling(cfg, state.step)
+    arbiter = parts.generator.arbiter
+    if arbiter is not None:
+        arbiter.set_step(state.step)
+    sample = parts.runner.sample if parts.pipeline is None else prefetched(parts.pipeline, parts.runner, state.step)
     try:
-        batch = collect(generator, parts.task, method, draw_next, num_groups=cfg.prompts_per_step, params=params,
-                        history=state.history, max_rounds=cfg.max_gen_rounds)
+        if parts.tree is not None:
+            batch = parts.tree.collect(parts.task, method, draw_next, num_groups=cfg.prompts_per_step, params=params,
+                                       history=state.history)
+        else:
+            batch = collect(sample, parts.task, method, draw_next, num_groups=cfg.prompts_per_step, params=params,
+                            history=state.history, max_rounds=cfg.max_gen_rounds)
     except NoUsableGroups as e:  # dynamic sampling found no group with signal: no update this step
         state.empty_steps += 1
         return {**e.stats, "rollout/empty_steps": float(state.empty_steps)}
+    if parts.pipeline is not None:  # generate the next k batches while this one trains
+        for ahead in range(1, cfg.async_staleness + 1):
+            if state.step + ahead < cfg.steps and state.step + ahead not in parts.pipeline.pending():
+                nxt = parts.draw(state.data_pos + (ahead - 1) * cfg.prompts_per_step, cfg.prompts_per_step)
+                parts.pipeline.submit(state.step + ahead, [p for _, p in nxt], _sampling(cfg, state.step + ahead))
     t_gen = time.perf_counter()
-    tb = TokenBatch.from_samples(batch.samples, generator.pad_id)
-    mask = tb.completion_mask * batch.keep[:, None].float()  # [B, T] tokens that count for the loss
+    tb = TokenBatch.from_samples(batch.samples, parts.generator.pad_id)
+    mask = tb.loss_mask * batch.keep[:, None].float()  # [B, T] tokens the policy chose that count for the loss
     T = tb.completion_mask.shape[1]
     seg_ids = segment_ids(tb.input_ids[:, -T:], tb.completion_mask, parts.boundaries)
-    turn_ids = torch.zeros_like(seg_ids)  # single-turn tasks: one agent turn per completion
 
     # 2. score at the rollout weights -----------------------------------------------------------------
     if method.ref_sync_every and state.step % method.ref_sync_every == 0:
@@ -260,117 +314,67 @@ def rl_step(cfg: TrainConfig, method: Method, state: TrainState, parts: Componen
     reuse_old = cfg.epochs_per_batch == 1 and cfg.minibatches == 1 and method.kl_placement != "reward"
     old = None if reuse_old else learner.logprobs_nograd(tb, topk=topk)
     old_logp = torch.zeros_like(tb.rollout_logp) if reuse_old else old.logp
-    old_topk = None if old is None else old.topk_logp
     ref_logp = learner.logprobs_nograd(tb, model=reference).logp if reference is not None else None
     values = None
     if critic is not None:
         with torch.no_grad():
-            values = critic(tb) * tb.completion_mask
+            values = critic(tb) * tb.loss_mask
 
     # 3. advantages ----------------------------------------------------------------------------------
     token_rewards = None
     if method.kl_placement == "reward" and ref_logp is not None:
-        token_rewards = -kl_reward_penalty(method, old_logp, ref_logp, tb.completion_mask).double()
-    adv = _advantages(method, batch, tb.completion_mask, values.double() if values is not None else None,
-                      token_rewards)
+        token_rewards = -kl_reward_penalty(method, old_logp, ref_logp, tb.loss_mask).double()
+    adv = _advantages(method, batch, tb.loss_mask, values.double() if values is not None else None, token_rewards)
     returns = None
     if critic is not None:
         gae = method.advantage.params
-        _, returns = gae_advantages_and_returns(batch.rewards.double(), values.double(), tb.completion_mask.double(),
+        _, returns = gae_advantages_and_returns(batch.rewards.double(), values.double(), tb.loss_mask.double(),
                                                 token_rewards, gamma=gae.get("gamma", 1.0), lam=gae.get("lam", 1.0))
         returns = returns.float()
 
-    # 4. update: epochs x minibatches x micro-batches ------------------------------------------------
+    # 4. update: epochs x minibatches x micro-batches (polyrl.update) --------------------------------
     t_score = time.perf_counter()
-    B = tb.input_ids.shape[0]
-    micro_sums: dict[str, float] = {}  # per micro-batch metrics, averaged at the end
-    step_sums: dict[str, float] = {}  # per optimizer step metrics
-    n_micro = n_steps = 0
-    zero_grad_counts = torch.zeros(2, 4)
-    step_gen = torch.Generator().manual_seed(cfg.seed * 7919 + state.step)
-    for _epoch in range(cfg.epochs_per_batch):
-        order = torch.randperm(B, generator=step_gen) if cfg.minibatches > 1 else torch.arange(B)
-        for mb in order.chunk(cfg.minibatches):
-            # One global normalizer per optimizer step: micro-batching never changes loss or gradient.
-            norm = Normalizer.from_batch(mask[mb], batch.group_ids[mb], horizon=cfg.max_new_tokens)
-            group_tokens = group_token_counts(mask[mb], batch.group_ids[mb])
-            finite = True
-            for micro in torch.arange(len(mb)).split(cfg.micro_batch_size):
-                rows = mb[micro]
-                cur = learner.logprobs(tb.rows(rows), grad=True, topk=topk)
-                if reuse_old:
-                    old_logp[rows] = cur.logp.detach()
-                    if cur.topk_logp is not None:
-                        if old_topk is None:
-                            old_topk = cur.topk_logp.new_zeros((B, *cur.topk_logp.shape[1:]))
-                        old_topk[rows] = cur.topk_logp.detach()
-                inputs = LossInputs(
-                    logp=cur.logp, old_logp=old_logp[rows], adv=adv[rows], mask=mask[rows], normalizer=norm,
-                    rollout_logp=tb.rollout_logp[rows], ref_logp=None if ref_logp is None else ref_logp[rows],
-                    entropy=cur.entropy.detach(), group_ids=batch.group_ids[rows], group_tokens=group_tokens[micro],
-                    segment_ids=seg_ids[rows], turn_ids=turn_ids[rows], topk_ids=cur.topk_ids, topk_logp=cur.topk_logp,
-                    old_topk_logp=None if old_topk is None else old_topk[rows],
-                    rollout_topk_logp=None if old_topk is None else old_topk[rows],
-                )
-                out = policy_loss(inputs, method)
-                if not torch.isfinite(out.loss):
-                    finite = False
-                    break
-                zero_grad_counts += zero_grad_by_quarter(out.surrogate, cur.logp, mask[rows], adv[rows])
-                learner.backward(out.loss)
-                n_micro += 1
-                for k, v in {**out.metrics, "objective/loss": out.loss.detach()}.items():
-                    micro_sums[k] = micro_sums.get(k, 0.0) + float(v)
-            grad_norm = learner.step() if finite else float("nan")  # a non-finite norm skips the update too
-            if not math.isfinite(grad_norm):  # skip the step, count it, stop when it keeps happening
-                learner.skip_step()
-                state.bad_steps += 1
-                state.skipped_total += 1
-                if state.bad_steps >= cfg.max_bad_steps:
-                    raise TrainingError(
-                        f"{state.bad_steps} optimizer steps in a row had a non-finite loss or gradient "
-                        f"(step {state.step}); "
-                        "lower lr or check the method's settings"
-                    )
-                continue
-            state.bad_steps = 0
-            n_steps += 1
-            step_sums["perf/grad_norm"] = step_sums.get("perf/grad_norm", 0.0) + grad_norm
-            if critic is not None:
-                v_loss = clipped_value_loss(critic(tb.rows(mb)), values[mb], returns[mb], tb.completion_mask[mb],
-                                            cfg.value_clip)
-                parts.critic_opt.zero_grad(set_to_none=True)
-                v_loss.backward()
-                parts.critic_opt.step()
-                step_sums["critic/value_loss"] = step_sums.get("critic/value_loss", 0.0) + float(v_loss.detach())
+    scored = Scored(tb=tb, mask=mask, adv=adv, group_ids=batch.group_ids, segment_ids=seg_ids, old_logp=old_logp,
+                    old_topk=None if old is None else old.topk_logp, ref_logp=ref_logp, values=values, returns=returns)
+    metrics = update_policy(learner, method, scored, state, epochs=cfg.epochs_per_batch, minibatches=cfg.minibatches,
+                            micro_batch_size=cfg.micro_batch_size, horizon=cfg.max_new_tokens, topk=topk,
+                            reuse_old=reuse_old, seed=cfg.seed * 7919 + state.step, max_bad_steps=cfg.max_bad_steps,
+                            critic=critic, critic_opt=parts.critic_opt, value_clip=cfg.value_clip)
+    if parts.pipeline is not None:  # weights after this step are version step + 1
+        parts.pipeline.push(learner.model.state_dict(), state.step + 1)
 
     # 5. metrics -------------------------------------------------------------------------------------
     t_end = time.perf_counter()
     gen_tokens = float(batch.lengths.sum())
     train_tokens = float(tb.attention_mask.sum()) * cfg.epochs_per_batch
-    perf = {"perf/gen_seconds": t_gen - t_start, "perf/score_seconds": t_score - t_gen,
-            "perf/update_seconds": t_end - t_score, "perf/gen_tokens_per_second": gen_tokens / (t_gen - t_start),
-            "perf/train_tokens_per_second": train_tokens / max(t_end - t_gen, 1e-9)}
+    metrics.update({"perf/gen_seconds": t_gen - t_start, "perf/score_seconds": t_score - t_gen,
+                    "perf/update_seconds": t_end - t_score,
+                    "perf/gen_tokens_per_second": gen_tokens / (t_gen - t_start),
+                    "perf/train_tokens_per_second": train_tokens / max(t_end - t_gen, 1e-9)})
     state.last_samples = [{"prompt": p.text, "completion": s.text, "reward": float(r)}
                           for p, s, r in list(zip(batch.prompts, batch.samples, batch.scores))[:4]]
-    metrics = {k: v / max(1, n_micro) for k, v in micro_sums.items()}
-    metrics.update({k: v / max(1, n_steps) for k, v in step_sums.items()})
-    lengths = batch.lengths.float()
     metrics.update(batch.stats)
     metrics.update({
         "reward/mean": float(batch.scores.mean()),
         "reward/shaped_mean": float(batch.rewards.mean()),
         "reward/std": float(batch.scores.std()) if len(batch.scores) > 1 else 0.0,
-        "rollout/mean_len": float(lengths.mean()),
+        "rollout/mean_len": float(batch.lengths.float().mean()),
         "rollout/truncated_frac": float(batch.truncated.float().mean()),
         "rollout/kept_frac": float(batch.keep.float().mean()),
         "objective/adv_abs_mean": float(masked_mean(adv.abs(), mask)),
-        "rollout/rollout_vs_old_kl": float(masked_mean((tb.rollout_logp - old_logp).abs(), tb.completion_mask)),
+        "rollout/rollout_vs_old_kl": float(masked_mean((tb.rollout_logp - scored.old_logp).abs(), tb.loss_mask)),
+        "perf/skipped_steps": float(state.skipped_total),
+        "rollout/gen_tokens": gen_tokens,
     })
-    metrics["perf/skipped_steps"] = float(state.skipped_total)
-    metrics.update(perf)
-    metrics["rollout/gen_tokens"] = gen_tokens
-    for q in range(4):
-        if zero_grad_counts[1, q] > 0:
-            metrics[f"position/zero_grad_frac_q{q + 1}"] = float(zero_grad_counts[0, q] / zero_grad_counts[1, q])
+    if arbiter is not None:
+        metrics["agency/beta"] = arbiter.beta
+        metrics["agency/baseline_share"] = sum(s.baseline_tokens for s in batch.samples) / max(1.0, float(mask.sum()))
+    if parts.pipeline is not None:
+        staleness = [state.step - s.policy_version for s in batch.samples]
+        metrics["async/staleness_max"], metrics["async/staleness_mean"] = max(staleness), float(np.mean(staleness))
     return metrics
+
+
+def _sampling(cfg: TrainConfig, step: int) -> SamplingParams:
+    return SamplingParams(n=cfg.group_size, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
+                          top_p=cfg.top_p, top_k=cfg.top_k or None, seed=cfg.seed * 1_000_003 + step)

@@ -36,6 +36,12 @@ class RunSpec:
         return f"{self.method}/seed{self.seed}"
 
 
+def split_label(entry: str) -> tuple[str, str]:
+    """``LABEL=PRESET`` (a variant, e.g. ``tree=grpo`` with its own --method-args) or just ``PRESET``."""
+    label, eq, preset = entry.partition("=")
+    return (label.strip(), preset.strip()) if eq else (entry.strip(), entry.strip())
+
+
 def parse_method_args(items: list[str] | None, methods: list[str]) -> dict[str, list[str]]:
     """``--method-args 'dppo_tv=--trust-region dppo_tv:delta_low=0.1 --lr 5e-5'`` -> {method: [flags]}."""
     out: dict[str, list[str]] = {}
@@ -48,8 +54,14 @@ def parse_method_args(items: list[str] | None, methods: list[str]) -> dict[str, 
 
 
 def plan_runs(methods: list[str], seeds: list[int], out: Path, shared: list[str],
-              per_method: dict[str, list[str]], model: str, workers: int = 1) -> list[RunSpec]:
-    """One RunSpec per (method, seed); a finished run is left out, an interrupted one gets --resume."""
+              per_method: dict[str, list[str]], model: str, workers: int = 1,
+              presets: dict[str, str] | None = None) -> list[RunSpec]:
+    """One RunSpec per (method, seed); a finished run is left out, an interrupted one gets --resume.
+
+    ``presets`` maps a variant label to its preset (``--methods uniform=grpo,tree=grpo``); by default a
+    method's label is its preset.
+    """
+    presets = presets or {}
     import os
 
     from polyrl.checkpoint import latest_checkpoint
@@ -63,19 +75,23 @@ def plan_runs(methods: list[str], seeds: list[int], out: Path, shared: list[str]
             if (run_dir / "summary.json").exists():
                 continue
             resume = ["--resume"] if latest_checkpoint(run_dir) is not None else ["--overwrite"]
-            args = ["train", "--method", method, "--seed", str(seed), "--run-dir", str(run_dir), "--model", model,
+            args = ["train", "--method", presets.get(method, method), "--seed", str(seed), "--run-dir", str(run_dir),
+                    "--model", model,
                     *shared, *per_method.get(method, []), *resume]
             specs.append(RunSpec(method, seed, run_dir, args))
     return specs
 
 
-def validate_runs(methods: list[str], shared: list[str], per_method: dict[str, list[str]], model: str) -> None:
+def validate_runs(methods: list[str], shared: list[str], per_method: dict[str, list[str]], model: str,
+                  presets: dict[str, str] | None = None) -> None:
     """Resolve every method's full train configuration now (raises ConfigError / PartError in one line)."""
     from polyrl.cli import build_parser, resolve_train
 
     parser = build_parser()
+    presets = presets or {}
     for method in methods:
-        argv = ["train", "--method", method, "--model", model, *shared, *per_method.get(method, [])]
+        argv = ["train", "--method", presets.get(method, method), "--model", model, *shared,
+                *per_method.get(method, [])]
         try:
             args = parser.parse_args(argv)
         except SystemExit:

@@ -17,7 +17,7 @@ from torch import Tensor
 
 from polyrl.objectives import Method
 from polyrl.registry import FILTERS, SHAPERS
-from polyrl.rollout.generator import Generator, Sample, SamplingParams
+from polyrl.rollout.generator import Sample, SamplingParams
 from polyrl.tasks.base import Prompt, Task
 
 
@@ -27,6 +27,16 @@ class NoUsableGroups(RuntimeError):
     def __init__(self, message: str, stats: dict[str, float]):
         super().__init__(message)
         self.stats = stats
+
+
+@dataclass
+class TreeInfo:
+    """Where each sample sits in its tree (B samples)."""
+
+    root_ids: Tensor  # [B] long: root group (pool index of the prompt); every sample has one
+    sibling_ids: Tensor  # [B] long: sibling group of its deepest branching anchor, -1 if none
+    branch_at: Tensor  # [B] long: completion index where the sibling part starts (0 if none)
+    is_root: Tensor  # [B] bool: sampled from the prompt (False: a continuation of a prefix)
 
 
 @dataclass
@@ -43,6 +53,7 @@ class RolloutBatch:
     lengths: Tensor  # [B] completion lengths in tokens
     channels: Tensor | None = None  # [B, C] separate reward channels (WithRewardChannels), else None
     stats: dict[str, float] = field(default_factory=dict)  # rollout/* and reward/* metrics
+    tree: TreeInfo | None = None  # tree rollouts: root/sibling groups and branch points (rollout/tree.py)
 
 
 def _group_has_variance(scores: Tensor, group_size: int) -> Tensor:
@@ -50,8 +61,11 @@ def _group_has_variance(scores: Tensor, group_size: int) -> Tensor:
     return (g.max(dim=1).values - g.min(dim=1).values) > 1e-6  # [groups]
 
 
+SampleFn = Callable[[list[Prompt], SamplingParams], list[Sample]]  # EpisodeRunner.sample: n samples per prompt
+
+
 def collect(
-    generator: Generator,
+    sample: SampleFn,
     task: Task,
     method: Method,
     draw_prompts: Callable[[int], list[tuple[int, Prompt]]],
@@ -63,7 +77,9 @@ def collect(
 ) -> RolloutBatch:
     """Sample ``num_groups`` groups of ``params.n`` completions that survive the method's filters.
 
-    ``draw_prompts(k)`` returns the next k (pool index, Prompt) pairs of the training stream.
+    ``sample(prompts, params)`` returns ``params.n`` completions per prompt (an ``EpisodeRunner``'s
+    ``sample``: single-turn or multi-turn). ``draw_prompts(k)`` returns the next k (pool index,
+    Prompt) pairs of the training stream.
     ``history`` (pool index -> best pass rate so far) is updated with every scored group, so
     no-positive-resampling removes a prompt once it was solved often enough.
     """
@@ -75,7 +91,7 @@ def collect(
         rounds += 1
         need = num_groups - len(kept_groups)
         drawn = draw_prompts(need)
-        samples = generator.generate([p.text for _, p in drawn], params)
+        samples = sample([p for _, p in drawn], params)
         scored = [task.reward(drawn[s.prompt_index][1], s.text) for s in samples]
         scores = torch.tensor([r for r, _ in scored], dtype=torch.float32)
         channels = (torch.tensor([info["channels"] for _, info in scored], dtype=torch.float32)

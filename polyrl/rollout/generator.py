@@ -26,6 +26,7 @@ class SamplingParams:
     top_p: float = 1.0  # nucleus mass kept, in (0, 1]; 1.0 disables
     top_k: int | None = None  # keep the k most probable tokens; None disables
     seed: int | None = None  # sampling seed; None = nondeterministic
+    stop_token_ids: tuple[int, ...] = ()  # besides EOS, tokens that end a completion (a tool call's closer)
 
     def __post_init__(self) -> None:
         if self.n < 1:
@@ -48,8 +49,12 @@ class Sample:
     prompt_token_ids: list[int]  # the prompt as tokenized (special tokens included, no padding)
     completion_token_ids: list[int]  # sampled tokens, the EOS token included when finish_reason == "stop"
     logprobs: list[float]  # rollout log-prob of each completion token under the processed distribution
-    finish_reason: FinishReason  # "stop": EOS sampled; "length": max_new_tokens reached
+    finish_reason: FinishReason  # "stop": EOS or a stop token sampled (it is the last token); "length": cap reached
     text: str  # completion decoded without special tokens (so without EOS)
+    loss_mask: list[int] | None = None  # per completion token: 0 = inserted by an environment/tree prefix; None = all 1
+    turn_ids: list[int] | None = None  # per completion token: agent-turn index (multi-turn tasks); None = all 0
+    policy_version: int = 0  # optimizer steps the sampling weights had seen (asynchronous pipeline)
+    baseline_tokens: int = 0  # tokens chosen by the agency-transfer baseline policy
 
 
 class Generator(Protocol):
@@ -57,6 +62,10 @@ class Generator(Protocol):
 
     def generate(self, prompts: list[str], params: SamplingParams) -> list[Sample]:
         """Sample ``params.n`` completions for every prompt."""
+        ...
+
+    def generate_ids(self, prompt_ids: list[list[int]], params: SamplingParams) -> list[Sample]:
+        """The same from already tokenized prompts (continuations of multi-turn or tree prefixes)."""
         ...
 
     def load_weights(self, state_dict: dict[str, Tensor]) -> None:

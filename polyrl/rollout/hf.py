@@ -10,6 +10,10 @@ Batches are LEFT padded with explicit position ids ``cumsum(attention_mask) - 1`
 one token per row with the cache (``past_key_values``). Rows that sampled EOS are dropped from the
 batch and the cache as soon as they finish, so long-tail rows do not pay for finished ones. The
 only Python work per step is the loop itself and one ``any()`` check.
+
+With an ``AgencyArbiter`` attached (agency transfer), a frozen baseline model decodes alongside with
+its own cache, the arbiter picks each token from the baseline or the learner, and the reported
+log-prob is the mixture's (``rollout/agency.py``).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from torch import Tensor, nn
 from transformers import DynamicCache
 
 from polyrl.model import head_logits, linear_head, process_logits
+from polyrl.rollout.agency import AgencyArbiter, coin_generator
 from polyrl.rollout.generator import Sample, SamplingParams
 
 
@@ -42,6 +47,7 @@ class HFGenerator:
         self.eos_ids = sorted(eos_ids)
         # The filler of padded slots is never attended to; any valid id works.
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_ids[0]
+        self.arbiter: AgencyArbiter | None = None  # agency transfer: mix a frozen baseline into sampling
 
     def load_weights(self, state_dict: dict[str, Tensor]) -> None:
         """Copy the trainer's weights into the sampling model (strict: names and shapes must match)."""
@@ -50,7 +56,10 @@ class HFGenerator:
 
     def generate(self, prompts: list[str], params: SamplingParams) -> list[Sample]:
         """Sample ``params.n`` completions per prompt, grouped by prompt, in micro-batches."""
-        prompt_ids: list[list[int]] = self.tokenizer(list(prompts), add_special_tokens=True)["input_ids"]
+        return self.generate_ids(self.tokenizer(list(prompts), add_special_tokens=True)["input_ids"], params)
+
+    def generate_ids(self, prompt_ids: list[list[int]], params: SamplingParams) -> list[Sample]:
+        """The same from token ids (multi-turn and tree continuations condition on token prefixes)."""
         for index, ids in enumerate(prompt_ids):
             if not ids:
                 raise ValueError(f"prompt {index} tokenizes to no tokens; nothing to condition on")
@@ -60,15 +69,17 @@ class HFGenerator:
             rng.seed()
         else:
             rng.manual_seed(params.seed)
+        coins = coin_generator(params.seed, device)  # the agency arbiter's coins, apart from the token draws
         rows = [(index, ids) for index, ids in enumerate(prompt_ids) for _ in range(params.n)]
         samples: list[Sample] = []
         for start in range(0, len(rows), self.max_batch_size):
             chunk = rows[start : start + self.max_batch_size]
-            tokens, logps, lengths, stopped = self._decode([ids for _, ids in chunk], params, rng, device)
+            chunk_ids = [ids for _, ids in chunk]
+            tokens, logps, lengths, stopped, from_b = self._decode(chunk_ids, params, rng, coins, device)
             completions = [row[:n] for row, n in zip(tokens.tolist(), lengths.tolist())]
             texts = self.tokenizer.batch_decode(completions, skip_special_tokens=True)
-            for (index, ids), completion, row_logps, stop, text in zip(
-                chunk, completions, logps.tolist(), stopped.tolist(), texts
+            for (index, ids), completion, row_logps, stop, text, n_b in zip(
+                chunk, completions, logps.tolist(), stopped.tolist(), texts, from_b.tolist()
             ):
                 samples.append(
                     Sample(
@@ -78,15 +89,18 @@ class HFGenerator:
                         logprobs=row_logps[: len(completion)],
                         finish_reason="stop" if stop else "length",
                         text=text,
+                        baseline_tokens=n_b,
                     )
                 )
         return samples
 
     @torch.inference_mode()
     def _decode(
-        self, prompt_ids: list[list[int]], params: SamplingParams, rng: torch.Generator, device: torch.device
-    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """Decode one left-padded batch: tokens [N, S], log-probs [N, S], lengths [N], stopped [N]."""
+        self, prompt_ids: list[list[int]], params: SamplingParams, rng: torch.Generator, coins: torch.Generator,
+        device: torch.device,
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+        """Decode one left-padded batch: tokens [N, S], log-probs [N, S], lengths [N], stopped [N],
+        baseline-chosen token counts [N]."""
         count, width, steps = len(prompt_ids), max(len(ids) for ids in prompt_ids), params.max_new_tokens
         input_ids = torch.full((count, width), self.pad_id, dtype=torch.long)
         attention_mask = torch.zeros((count, width), dtype=torch.long)
@@ -95,7 +109,8 @@ class HFGenerator:
             attention_mask[row, width - len(ids) :] = 1
         input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
         position_ids = (attention_mask.cumsum(dim=-1) - 1).clamp_min(0)
-        eos_ids = torch.tensor(self.eos_ids, device=device)
+        eos_ids = torch.tensor(sorted({*self.eos_ids, *params.stop_token_ids}), device=device)
+        arbiter = self.arbiter if self.arbiter is not None and self.arbiter.active else None
 
         tokens = torch.full((count, steps), self.pad_id, dtype=torch.long, device=device)
         logps = torch.zeros((count, steps), dtype=torch.float32, device=device)
@@ -105,8 +120,16 @@ class HFGenerator:
         next_position = position_ids[:, -1] + 1  # [n]
         cache = DynamicCache(config=self.model.config)
         logits = self._next_logits(input_ids, attention_mask, position_ids, cache)
+        if arbiter is not None:
+            mix = arbiter.start(count, coins, device)
+            base_cache = DynamicCache(config=arbiter.baseline.config)
+            base_logits = self._next_logits(input_ids, attention_mask, position_ids, base_cache, arbiter.baseline)
         for step in range(steps):
-            token, logp = _pick(logits, params, rng)
+            if arbiter is None:
+                token, logp = _pick(logits, params, rng)
+            else:
+                token, logp = arbiter.pick(_processed(logits, params), _processed(base_logits, params),
+                                           params.temperature == 0, rng, mix, rows)
             tokens[rows, step] = token
             logps[rows, step] = logp
             lengths[rows] = step + 1
@@ -119,21 +142,38 @@ class HFGenerator:
                 rows, token, next_position = rows[live], token[live], next_position[live]
                 attention_mask = attention_mask[live]
                 cache.batch_select_indices(live)
+                if arbiter is not None:
+                    base_cache.batch_select_indices(live)
             attention_mask = torch.cat([attention_mask, attention_mask.new_ones((rows.shape[0], 1))], dim=1)
             logits = self._next_logits(token[:, None], attention_mask, next_position[:, None], cache)
+            if arbiter is not None:
+                base_logits = self._next_logits(token[:, None], attention_mask, next_position[:, None], base_cache,
+                                                arbiter.baseline)
             next_position = next_position + 1
-        return tokens.cpu(), logps.cpu(), lengths.cpu(), stopped.cpu()
+        from_b = mix.baseline_tokens if arbiter is not None else torch.zeros(count, dtype=torch.long)
+        return tokens.cpu(), logps.cpu(), lengths.cpu(), stopped.cpu(), from_b.cpu()
 
-    def _next_logits(self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, cache) -> Tensor:
-        """Run the base model on new tokens (extending the cache); float32 logits [n, V] of the last one."""
-        hidden = self.model.base_model(
+    def _next_logits(self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, cache,
+                     model: nn.Module | None = None) -> Tensor:
+        """Run a base model on new tokens (extending the cache); float32 logits [n, V] of the last one."""
+        model = self.model if model is None else model
+        hidden = model.base_model(
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
             past_key_values=cache,
             use_cache=True,
         ).last_hidden_state[:, -1]
-        return head_logits(hidden, self.head, fp32_head=self.fp32_head)
+        head = self.head if model is self.model else linear_head(model)
+        return head_logits(hidden, head, fp32_head=self.fp32_head)
+
+
+def _processed(logits: Tensor, params: SamplingParams) -> Tensor:
+    """Log-probs [n, V] of the distribution tokens are drawn from (unprocessed for greedy, as in _pick)."""
+    if params.temperature == 0:
+        return logits.log_softmax(dim=-1)
+    return process_logits(logits, temperature=params.temperature, top_k=params.top_k, top_p=params.top_p
+                          ).log_softmax(dim=-1)
 
 
 def _pick(logits: Tensor, params: SamplingParams, rng: torch.Generator) -> tuple[Tensor, Tensor]:
@@ -142,11 +182,9 @@ def _pick(logits: Tensor, params: SamplingParams, rng: torch.Generator) -> tuple
     Greedy (temperature 0) reports the log-prob under the unprocessed distribution (temperature 1,
     no filters): the limit distribution at temperature 0 is one-hot and carries no information.
     """
+    logprobs = _processed(logits, params)
     if params.temperature == 0:
-        logprobs = logits.log_softmax(dim=-1)
         token = logits.argmax(dim=-1)
     else:
-        processed = process_logits(logits, temperature=params.temperature, top_k=params.top_k, top_p=params.top_p)
-        logprobs = processed.log_softmax(dim=-1)
         token = torch.multinomial(logprobs.exp(), 1, generator=rng).squeeze(1)
     return token, logprobs.gather(-1, token[:, None]).squeeze(1)

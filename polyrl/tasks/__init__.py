@@ -7,6 +7,7 @@ from collections.abc import Callable
 
 from polyrl.tasks.arithmetic import AdditionTask
 from polyrl.tasks.base import Prompt, Split, Task
+from polyrl.tasks.calculator import CalculatorTask
 from polyrl.tasks.countdown import CountdownTask
 from polyrl.tasks.math import MathTask
 
@@ -20,7 +21,9 @@ def _math(data_file: str | None = None) -> Task:
 # Task name -> factory; ``data_file`` is passed to every factory that takes it.
 TASKS: dict[str, Callable[..., Task]] = {
     "addition": AdditionTask,
+    "addition_mixed": lambda: AdditionTask(digits=(2, 3)),
     "countdown": CountdownTask,
+    "calculator": CalculatorTask,
     "math": _math,
 }
 
@@ -36,4 +39,4 @@ def get_task(name: str, data_file: str | None = None) -> Task:
     return factory(data_file=data_file) if reads_file else factory()
 
 
-__all__ = ["TASKS", "AdditionTask", "Prompt", "Split", "Task", "get_task"]
+__all__ = ["TASKS", "AdditionTask", "CalculatorTask", "Prompt", "Split", "Task", "get_task"]

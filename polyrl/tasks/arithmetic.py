@@ -29,20 +29,31 @@ def _is_test(a: int, b: int) -> bool:
 
 
 class AdditionTask:
-    """Add two ``digits``-digit numbers: prompt "a+b=", answer str(a + b), reward exact match."""
+    """Add two ``digits``-digit numbers: prompt "a+b=", answer str(a + b), reward exact match.
 
-    def __init__(self, digits: int = 2) -> None:
-        if digits < 1:
+    ``digits`` may also be a tuple of sizes (``addition_mixed`` = (2, 3)): both operands of a prompt
+    have the same size, and each size fills an equal share of the pool (900 pairs each, drawn with a
+    fixed seed) -- a task of mixed difficulty, where a warm-started model solves some prompts reliably
+    and fails others reliably (the tree sampler's benchmark).
+    """
+
+    def __init__(self, digits: int | tuple[int, ...] = 2) -> None:
+        sizes = (digits,) if isinstance(digits, int) else tuple(digits)
+        if not sizes or min(sizes) < 1:
             raise ValueError(f"AdditionTask: digits must be >= 1, got {digits}")
-        self.digits = digits
-        self.name = "addition" if digits == 2 else f"addition{digits}"
+        self.digits = sizes
+        self.name = ("addition" if sizes == (2,) else f"addition{sizes[0]}" if len(sizes) == 1
+                     else "addition_mixed" if sizes == (2, 3) else "addition" + "_".join(map(str, sizes)))
 
     @cached_property
     def _pools(self) -> dict[str, list[tuple[int, int]]]:
-        low, high = 10 ** (self.digits - 1), 10**self.digits
         pools: dict[str, list[tuple[int, int]]] = {"train": [], "test": []}
-        for a in range(low, high):
-            for b in range(low, high):
+        for d in self.digits:
+            low, high = 10 ** (d - 1), 10**d
+            pairs = [(a, b) for a in range(low, high) for b in range(low, high)]
+            if len(self.digits) > 1:  # equal shares: subsample large sizes deterministically
+                pairs = random.Random(d).sample(pairs, min(len(pairs), 900))
+            for a, b in pairs:
                 pools["test" if _is_test(a, b) else "train"].append((a, b))
         return pools
 

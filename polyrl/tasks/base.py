@@ -21,6 +21,7 @@ class Prompt:
     id: str  # stable across runs and machines, e.g. "addition/12+34"
     text: str  # what the policy is conditioned on, e.g. "12+34="
     answer: str  # the reference answer, e.g. "46"
+    demo: str | None = None  # supervised warm-start target when it is not just the answer (tool transcripts)
 
 
 class Task(Protocol):

@@ -1,0 +1,163 @@
+"""Agency transfer (arXiv:2606.09825): a frozen baseline policy acts first, the learner takes over.
+
+The paper's arbitration rule and schedule were not readable (shared/spec/methods-seedblog.md §9);
+this is OUR operational version of "rely strongly on the baseline, then progressively transfer
+agency to the learner":
+
+- a schedule ``beta(step)`` goes from 1 (the baseline acts) to 0 (the learner acts alone);
+- ``mode="token"``: before every token a coin with P(baseline) = beta picks who chooses it, so the
+  behaviour policy is the per-token mixture  mu(y_t) = beta pi_b(y_t) + (1 - beta) pi_theta(y_t);
+- ``mode="sequence"``: one coin per completion picks who writes all of it, so the behaviour policy
+  of the whole sequence is  beta P_b(y) + (1 - beta) P_theta(y).  Its per-token factor is the
+  posterior-weighted mixture  log mu_t = log(beta P_b(y_<=t) + (1-beta) P_theta(y_<=t))
+  - log(beta P_b(y_<t) + (1-beta) P_theta(y_<t)), so the sum over tokens is exactly the sequence
+  mixture and token-level importance corrections stay exact.
+
+Both distributions are processed identically (temperature, top-k, top-p) before mixing. The coins
+come from their own generator (``coin_generator``), never from the one tokens are drawn with, so the
+token draws use exactly the random numbers they would use without the arbiter: with the same seed,
+beta = 1 reproduces the baseline's completions and beta = 0 the learner's. The behaviour log-prob
+becomes the sample's ``rollout_logp``; the trainer's mismatch correction (TIS by default with
+agency) turns it into the importance weight pi_theta / mu.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor, nn
+
+AgencyMode = Literal["token", "sequence"]
+
+
+def linear_schedule(step: int, steps: int) -> float:
+    """beta = max(0, 1 - step / steps): all baseline at step 0, the learner alone from ``steps`` on."""
+    return max(0.0, 1.0 - step / steps)
+
+
+def exp_schedule(step: int, tau: float) -> float:
+    """beta = exp(-step / tau)."""
+    return math.exp(-step / tau)
+
+
+def step_schedule(step: int, steps: int) -> float:
+    """beta = 1 before ``steps``, then 0."""
+    return 1.0 if step < steps else 0.0
+
+
+SCHEDULES: dict[str, tuple[Callable[..., float], str, type]] = {
+    "linear": (linear_schedule, "steps", int),
+    "exp": (exp_schedule, "tau", float),
+    "step": (step_schedule, "steps", int),
+}
+
+
+def parse_schedule(text: str) -> Callable[[int], float]:
+    """``linear:steps=N`` | ``exp:tau=T`` | ``step:steps=N`` -> beta(step); bad text is a one-line error."""
+    allowed = "linear:steps=N, exp:tau=T or step:steps=N"
+    match = re.fullmatch(r"(\w+):(\w+)=([0-9.eE+-]+)", text.strip())
+    if match is None or match.group(1) not in SCHEDULES:
+        raise ValueError(f"agency_schedule = {text!r} is not allowed; use {allowed}")
+    fn, key, kind = SCHEDULES[match.group(1)]
+    if match.group(2) != key:
+        raise ValueError(f"agency_schedule = {text!r}: schedule {match.group(1)!r} takes {key}=..., not "
+                         f"{match.group(2)}=...")
+    try:
+        value = kind(match.group(3))
+    except ValueError:
+        raise ValueError(f"agency_schedule = {text!r}: {key} must be {kind.__name__}") from None
+    if not value > 0:
+        raise ValueError(f"agency_schedule = {text!r}: {key} must be > 0")
+    return lambda step: fn(step, value)
+
+
+@dataclass
+class MixState:
+    """Per-row bookkeeping of one decode batch (full batch size; rows are indexed by original row)."""
+
+    from_baseline: Tensor  # [N] bool, sequence mode: who writes the row
+    prefix_b: Tensor  # [N] log P_b(y_<t)
+    prefix_l: Tensor  # [N] log P_theta(y_<t)
+    baseline_tokens: Tensor  # [N] long: tokens chosen by the baseline
+    coins: torch.Generator  # draws the arbiter's coins (kept apart from the token-sampling generator)
+
+
+def coin_generator(seed: int | None, device: torch.device) -> torch.Generator:
+    """The arbiter's coin generator for one generate call: seeded from ``seed`` (random when None).
+
+    The seed is hashed so that the coin stream is unrelated to the token stream seeded with ``seed``.
+    """
+    coins = torch.Generator(device=device)
+    if seed is None:
+        coins.seed()
+    else:
+        digest = hashlib.sha256(f"agency-coins/{seed}".encode()).digest()
+        coins.manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+    return coins
+
+
+class AgencyArbiter:
+    """Mixes a frozen baseline policy with the learner; ``beta`` is set by the trainer every step."""
+
+    def __init__(self, baseline: nn.Module, schedule: Callable[[int], float], *, mode: AgencyMode = "token"):
+        if mode not in ("token", "sequence"):
+            raise ValueError(f"agency_mode = {mode!r} is not allowed; use 'token' or 'sequence'")
+        self.baseline = baseline.eval().requires_grad_(False)
+        self.schedule = schedule
+        self.mode = mode
+        self.beta = float(schedule(0))
+
+    def set_step(self, step: int) -> float:
+        self.beta = float(self.schedule(step))
+        return self.beta
+
+    @property
+    def active(self) -> bool:
+        return self.beta > 0.0
+
+    def start(self, count: int, coins: torch.Generator, device: torch.device) -> MixState:
+        """State of a decode batch of ``count`` rows; ``coins`` (see ``coin_generator``) draws every coin."""
+        coin = torch.rand(count, generator=coins, device=device) < self.beta
+        zeros = torch.zeros(count, dtype=torch.float64, device=device)
+        return MixState(coin, zeros, zeros.clone(), torch.zeros(count, dtype=torch.long, device=device), coins)
+
+    def pick(self, logp_l: Tensor, logp_b: Tensor, greedy: bool, rng: torch.Generator, state: MixState,
+             rows: Tensor) -> tuple[Tensor, Tensor]:
+        """Choose one token per live row from the processed log-distributions [n, V] of learner and baseline.
+
+        ``rng`` draws the tokens, ``state.coins`` the coins. Returns (token [n], behaviour log-prob [n]);
+        ``state`` is updated for ``rows`` (original row ids).
+        """
+        if self.mode == "token":
+            use_b = torch.rand(rows.shape[0], generator=state.coins, device=logp_l.device) < self.beta
+        else:
+            use_b = state.from_baseline[rows]
+        source = torch.where(use_b[:, None], logp_b, logp_l)
+        if greedy:
+            token = source.argmax(dim=-1)
+        else:
+            token = torch.multinomial(source.exp(), 1, generator=rng).squeeze(1)
+        lb = logp_b.gather(-1, token[:, None]).squeeze(1).double()
+        ll = logp_l.gather(-1, token[:, None]).squeeze(1).double()
+        state.baseline_tokens[rows] += use_b.long()
+        beta = torch.tensor(self.beta, dtype=torch.float64, device=lb.device)
+        if self.mode == "token":
+            behaviour = _mix(beta, lb, ll)
+        else:
+            before = _mix(beta, state.prefix_b[rows], state.prefix_l[rows])
+            state.prefix_b[rows] += lb
+            state.prefix_l[rows] += ll
+            behaviour = _mix(beta, state.prefix_b[rows], state.prefix_l[rows]) - before
+        return token, behaviour.float()
+
+
+def _mix(beta: Tensor, log_b: Tensor, log_l: Tensor) -> Tensor:
+    """log(beta e^log_b + (1 - beta) e^log_l), stable at beta in {0, 1}."""
+    terms = torch.stack([torch.log(beta) + log_b, torch.log1p(-beta) + log_l])
+    return torch.logsumexp(terms, dim=0)

@@ -1,0 +1,151 @@
+"""Tree rollouts: the utilization objective, the predictor, branch points, tree advantages and the sampler."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+import torch
+
+from polyrl.methods import get_method
+from polyrl.registry import ADVANTAGES
+from polyrl.rollout.collect import TreeInfo
+from polyrl.rollout.episodes import Episode, EpisodeRunner
+from polyrl.rollout.generator import Sample, SamplingParams
+from polyrl.rollout.tree import (
+    SuccessPredictor,
+    TreeSampler,
+    allocate_rollouts,
+    branch_points,
+    p_mixed,
+    prefix_estimate,
+    tree_advantages,
+)
+from polyrl.tasks.base import Prompt
+from polyrl.tinylm import build_char_tokenizer
+
+
+def test_rollout_objective_dp_equals_brute_force():
+    rng = random.Random(1)
+    for _ in range(150):
+        M, B = rng.randint(1, 4), rng.randint(0, 12)
+        p = [rng.choice([0.0, 1.0, rng.random()]) for _ in range(M)]
+        options = [0, *range(2, 7)]
+
+        def value(a):
+            return sum(n * float(p_mixed(torch.tensor(q, dtype=torch.float64), torch.tensor(n))) for q, n in zip(p, a))
+
+        brute = max(value(a) for a in itertools.product(options, repeat=M) if sum(a) <= B)
+        alloc = allocate_rollouts(torch.tensor(p), B, n_min=2, n_max=6, objective="rollouts")
+        assert alloc.sum() <= B
+        assert value(alloc.tolist()) == pytest.approx(brute, abs=1e-9)
+
+
+def test_rollout_objective_prefers_large_groups_on_uncertain_anchors():
+    # groups objective: spread over at least three anchors; rollouts objective: one full group of eight
+    p = torch.tensor([0.5, 0.5, 0.5, 0.5])
+    assert int((allocate_rollouts(p, 8, n_max=8) > 0).sum()) >= 3
+    assert sorted(allocate_rollouts(p, 8, n_max=8, objective="rollouts").tolist()) == [0, 0, 0, 8]
+    with pytest.raises(ValueError, match="objective = 'x'"):
+        allocate_rollouts(p, 8, objective="x")
+
+
+def test_success_predictor_smooths_history_toward_the_running_mean():
+    counts: dict[int, list[float]] = {}
+    pred = SuccessPredictor(counts, prior_strength=2.0)
+    assert pred.prompts([7]).tolist() == [0.5]  # no history at all
+    pred.record(1, [1, 1, 1, 1])
+    pred.record(2, [0, 0, 0, 0])
+    # p_bar = 4 / 8 = 0.5: (4 + 1) / (4 + 2), (0 + 1) / (4 + 2), unseen -> 0.5
+    assert pred.prompts([1, 2, 3]).tolist() == pytest.approx([5 / 6, 1 / 6, 0.5])
+    assert prefix_estimate(2, 2, 0.25, 2.0) == pytest.approx((2 + 0.5) / 4)
+
+
+def test_branch_points_turn_boundaries_and_half_length():
+    e = Episode(prompt=Prompt("x", "x", "y"), prompt_ids=[1], token_ids=[5, 6, 7, 8, 9, 10],
+                loss_mask=[1, 1, 0, 0, 1, 1], turn_ids=[0, 0, 0, 0, 1, 1])
+    assert branch_points(e, multi_turn=True) == [4]
+    assert branch_points(e, multi_turn=False) == [3]
+    short = Episode(prompt=Prompt("x", "x", "y"), prompt_ids=[1], token_ids=[5], loss_mask=[1], turn_ids=[0])
+    assert branch_points(short, multi_turn=False) == []
+
+
+def test_tree_advantages_by_hand():
+    # prompt 0: roots r0 = 1, r1 = 0, r2 = 0; anchor after 2 tokens of r1 (shared by r2), continuations c0 = 1, c1 = 0
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.0], dtype=torch.float64)
+    tree = TreeInfo(root_ids=torch.zeros(5, dtype=torch.long), sibling_ids=torch.tensor([-1, 0, 0, 0, 0]),
+                    branch_at=torch.tensor([0, 2, 2, 2, 2]), is_root=torch.tensor([True, True, True, False, False]))
+    mask = torch.ones(5, 4, dtype=torch.float64)
+
+    def centred(r, g, m):
+        return ADVANTAGES.fn("group_centered")(r, g, m, None, None)
+
+    adv = tree_advantages(centred, rewards, tree, mask)
+    root_mean, sib_mean = 1 / 3, 1 / 4  # roots {1, 0, 0}; siblings {r1, r2, c0, c1} = {0, 0, 1, 0}
+    assert adv[0].tolist() == pytest.approx([1 - root_mean] * 4)  # no branch: root advantage everywhere
+    assert adv[1].tolist() == pytest.approx([0 - root_mean] * 2 + [0 - sib_mean] * 2)  # prefix root, then sibling
+    assert adv[3, 2:].tolist() == pytest.approx([1 - sib_mean] * 2)
+    assert adv[3, :2].tolist() == pytest.approx([0.0, 0.0])  # a continuation has no root advantage
+
+
+class ScriptedGenerator:
+    """Emits '1' or '2' then EOS; a prompt's chance of '1' (the right answer) is set per prompt text."""
+
+    def __init__(self, tokenizer, p_right: dict[str, float]):
+        self.tok, self.p_right, self.rng = tokenizer, p_right, random.Random(0)
+
+    def generate_ids(self, prompt_ids, params):
+        out = []
+        for i, ids in enumerate(prompt_ids):
+            text = self.tok.decode(ids, skip_special_tokens=True)
+            head = text.split("=")[0] + "="
+            rest = text[len(head):]
+            n_more = 2 - len(rest)
+            chars = [("1" if self.rng.random() < self.p_right[head] else "2") for _ in range(max(0, n_more))]
+            comp = self.tok("".join(chars), add_special_tokens=False)["input_ids"] + [self.tok.eos_token_id]
+            comp = comp[: params.max_new_tokens]
+            out.append(Sample(prompt_index=i, prompt_token_ids=list(ids), completion_token_ids=comp,
+                              logprobs=[-0.5] * len(comp), finish_reason="stop", text=""))
+        return out
+
+
+class TwoCharTask:
+    name = "two"
+
+    def reward(self, prompt, text):
+        return (1.0 if text.strip() == prompt.answer else 0.0), {}
+
+
+def test_tree_sampler_spends_the_budget_skips_decided_prompts_and_builds_sibling_groups():
+    tok = build_char_tokenizer()
+    prompts = [Prompt(f"p{k}", f"{k}=", "11") for k in range(8)]
+    p_right = {f"{k}=": 0.0 for k in range(8)}
+    p_right.update({"0=": 0.7, "1=": 0.7, "2=": 1.0, "3=": 1.0})
+    counts = {0: [1.0, 2.0], 1: [1.0, 2.0], 2: [8.0, 8.0], 3: [8.0, 8.0], 4: [0.0, 8.0], 5: [0.0, 8.0],
+              6: [0.0, 8.0], 7: [0.0, 8.0]}
+    runner = EpisodeRunner(ScriptedGenerator(tok, p_right), tok, TwoCharTask())
+    sampler = TreeSampler(runner, counts, root_frac=0.5, candidate_factor=2.0, prune=0.2)
+    stream = iter(range(100))
+
+    def draw(k):
+        return [(i % 8, prompts[i % 8]) for i in (next(stream) for _ in range(k))]
+
+    params = SamplingParams(n=8, max_new_tokens=4, seed=0)
+    batch = sampler.collect(TwoCharTask(), get_method("grpo"), draw, num_groups=4, params=params, history={})
+    assert len(batch.samples) <= 4 * 8
+    roots = batch.tree.is_root
+    # only the two uncertain prompts (history 1/2) get root rollouts; decided ones are pruned
+    assert set(batch.group_ids[roots].tolist()) <= {0, 1}
+    assert batch.stats["tree/continuations"] > 0
+    sib = batch.tree.sibling_ids
+    for a in sib[sib >= 0].unique().tolist():  # each sibling group shares its prefix up to branch_at
+        members = (sib == a).nonzero().squeeze(1).tolist()
+        cut = int(batch.tree.branch_at[members[0]])
+        prefixes = {tuple(batch.samples[i].completion_token_ids[:cut]) for i in members}
+        assert len(prefixes) == 1 and len(members) >= 3
+    # continuations do not train on the copied prefix
+    for i in (~roots).nonzero().squeeze(1).tolist():
+        cut = int(batch.tree.branch_at[i])
+        assert batch.samples[i].loss_mask[:cut] == [0] * cut and all(batch.samples[i].loss_mask[cut:])
+    assert counts[0][1] > 2  # the predictor's history grew with the root outcomes
