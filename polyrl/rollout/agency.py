@@ -13,6 +13,9 @@ agency to the learner":
   - log(beta P_b(y_<t) + (1-beta) P_theta(y_<t)), so the sum over tokens is exactly the sequence
   mixture and token-level importance corrections stay exact.
 
+In multi-turn episodes every agent turn is a separate decode, so "sequence" means one coin per agent
+turn there (the reported log-probs follow that behaviour exactly).
+
 Both distributions are processed identically (temperature, top-k, top-p) before mixing. The coins
 come from their own generator (``coin_generator``), never from the one tokens are drawn with, so the
 token draws use exactly the random numbers they would use without the arbiter: with the same seed,

@@ -23,7 +23,8 @@ stages, as the paper describes:
    tasks) or up to half its length (single-turn) -- as anchors. Each anchor's success probability is
    an online estimate from the root rollouts that share that prefix, smoothed toward their group's
    rate; decided anchors are pruned and the rest of the budget goes to them by the same DP. A chosen
-   anchor gets n fresh continuations; with the root rollouts through it, they form a sibling group.
+   anchor gets n fresh continuations; with the root rollouts through it, they form a sibling group;
+3. top-up: budget the branches left unused goes, by the same DP, to candidates that got no roots.
 
 Tree advantages: a leaf is compared with the sibling group of its deepest branching anchor (the
 method's group estimator on sibling groups); tokens after the branch point use that advantage, the
@@ -243,6 +244,21 @@ class TreeSampler:
         if conts:
             self.runner.run(conts, _reseeded(params, 1))
         cont_scores = [task.reward(e.prompt, t)[0] for e, t in zip(conts, self._texts(conts))]
+        # 3. top-up: budget the branches did not use goes to roots of candidates that got none yet
+        left = budget - len(roots) - len(conts)
+        if left >= 2:
+            unused = torch.where(alloc > 0, torch.zeros_like(p_root), self._pruned(p_root))
+            extra = allocate_rollouts(unused, left, n_min=2, n_max=G, objective=self.objective)
+            more: list[Episode] = []
+            for k, n in enumerate(extra.tolist()):
+                more += self.runner.new([drawn[k][1]], n)
+                root_of += [k] * n
+            if more:
+                self.runner.run(more, _reseeded(params, 2))
+                roots += more
+                root_scores += [task.reward(e.prompt, t)[0] for e, t in zip(more, self._texts(more))]
+                sibling_of += [-1] * len(more)
+                alloc = alloc + extra
         for k in set(root_of):
             scores = [root_scores[j] for j in range(len(roots)) if root_of[j] == k]
             self.predictor.record(drawn[k][0], scores)
