@@ -33,7 +33,7 @@ def test_rollout_objective_dp_equals_brute_force():
         p = [rng.choice([0.0, 1.0, rng.random()]) for _ in range(M)]
         options = [0, *range(2, 7)]
 
-        def value(a):
+        def value(a, p=p):
             return sum(n * float(p_mixed(torch.tensor(q, dtype=torch.float64), torch.tensor(n))) for q, n in zip(p, a))
 
         brute = max(value(a) for a in itertools.product(options, repeat=M) if sum(a) <= B)
