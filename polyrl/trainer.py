@@ -85,10 +85,12 @@ def evaluate(runner: EpisodeRunner, task: Task, prompts: list[Prompt], max_new_t
     return float(np.mean([task.reward(prompts[s.prompt_index], s.text)[0] for s in samples]))
 
 
-def evaluate_all(parts: Components, prompts: list[Prompt], max_new_tokens: int) -> dict[str, float]:
-    """eval/accuracy of the acting system; with agency transfer also the standalone learner's."""
-    out = {"eval/accuracy": evaluate(parts.runner, parts.task, prompts, max_new_tokens)}
+def evaluate_all(parts: Components, prompts: list[Prompt], max_new_tokens: int, step: int) -> dict[str, float]:
+    """eval/accuracy of the acting system at ``step``; with agency transfer also the standalone learner's."""
     arbiter = parts.generator.arbiter
+    if arbiter is not None:
+        arbiter.set_step(step)
+    out = {"eval/accuracy": evaluate(parts.runner, parts.task, prompts, max_new_tokens)}
     if arbiter is not None:
         beta, arbiter.beta = arbiter.beta, 0.0
         out["eval/learner_accuracy"] = evaluate(parts.runner, parts.task, prompts, max_new_tokens)
@@ -190,10 +192,8 @@ def train(cfg: TrainConfig, method: Method, *, model_dir: str, task: Task, run_d
                                        threads=_generator_threads(cfg), weights=policy.state_dict(), version=state.step)
     logger = RunLogger(run, tensorboard=cfg.tensorboard, wandb=cfg.wandb, console=console,
                        table_every=cfg.log_every, config=to_dict(cfg))
-    if generator.arbiter is not None:
-        generator.arbiter.set_step(state.step)
     if state.eval_before is None:
-        first = evaluate_all(parts, eval_prompts, cfg.max_new_tokens)
+        first = evaluate_all(parts, eval_prompts, cfg.max_new_tokens, state.step)
         state.eval_before = first["eval/accuracy"]
         logger.log(state.step, first)
     console.print(f"[bold]{method.name}[/] on {task.name}: held-out accuracy before = {state.eval_before:.3f}")
@@ -215,7 +215,7 @@ def train(cfg: TrainConfig, method: Method, *, model_dir: str, task: Task, run_d
             step_seconds += metrics["perf/step_seconds"]
             metrics["perf/lr"] = learner.lr
             if cfg.eval_every and state.step % cfg.eval_every == 0 and state.step < cfg.steps:
-                metrics.update(evaluate_all(parts, eval_prompts, cfg.max_new_tokens))
+                metrics.update(evaluate_all(parts, eval_prompts, cfg.max_new_tokens, state.step))
             logger.log(state.step, metrics)
             reason = monitor.update(state.step, metrics) if monitor is not None else None
             if reason is not None:  # --guard: back to the last good checkpoint with a lower learning rate
@@ -233,9 +233,7 @@ def train(cfg: TrainConfig, method: Method, *, model_dir: str, task: Task, run_d
 
     if parts.pipeline is not None:
         parts.pipeline.close()
-    if generator.arbiter is not None:
-        generator.arbiter.set_step(state.step)
-    last = evaluate_all(parts, eval_prompts, cfg.max_new_tokens)
+    last = evaluate_all(parts, eval_prompts, cfg.max_new_tokens, state.step)
     eval_after = last["eval/accuracy"]
     logger.log(state.step, last)
     save_checkpoint(run, state.step, **learner.state(), state=_state_dict(state, critic_opt), extra_models=extra)
