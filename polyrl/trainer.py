@@ -94,7 +94,7 @@ def evaluate_all(parts: Components, prompts: list[Prompt], max_new_tokens: int, 
     if arbiter is not None:
         beta, arbiter.beta = arbiter.beta, 0.0
         out["eval/learner_accuracy"] = evaluate(parts.runner, parts.task, prompts, max_new_tokens)
-        out["agency/beta"], arbiter.beta = beta, beta
+        out["eval/agency_beta"], arbiter.beta = beta, beta
     return out
 
 
@@ -247,7 +247,7 @@ def train(cfg: TrainConfig, method: Method, *, model_dir: str, task: Task, run_d
         "skipped_steps": state.skipped_total, "peak_rss_mb": peak_rss_mb(),
     }
     if "eval/learner_accuracy" in last:  # agency transfer: the standalone learner, and the acting system's beta
-        summary.update(learner_eval_after=last["eval/learner_accuracy"], agency_beta_after=last["agency/beta"])
+        summary.update(learner_eval_after=last["eval/learner_accuracy"], agency_beta_after=last["eval/agency_beta"])
     write_summary(run, summary)
     plot_curves(logger.history, run / "curves.png")
     return summary
