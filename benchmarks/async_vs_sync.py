@@ -1,8 +1,10 @@
 """Seconds per RL step: synchronous generation vs the asynchronous pipeline (--async-staleness k).
 
-Runs `polyrl train` with the same settings in both modes, alternating for ``--rounds`` rounds so that
-machine noise hits both, and reports the median of ``perf/step_seconds`` after ``--warmup`` steps
-(the generation process starts during the first steps) and the largest ``async/staleness_max`` seen.
+Runs `polyrl train` with the same settings in both modes (same batch, same preset), alternating for
+``--rounds`` rounds so that machine noise hits both, and reports the median of ``perf/step_seconds``
+after ``--warmup`` steps (the generation process starts during the first steps) and the largest
+``async/staleness_max`` seen. With a KL preset (grpo) the generation process also scores the frozen
+reference, so the trainer's step loses that forward pass as well as the generation.
 
     .venv/bin/python benchmarks/async_vs_sync.py --steps 40 --rounds 2 --staleness 1
 """
@@ -19,7 +21,8 @@ from pathlib import Path
 
 def run(mode: str, args: argparse.Namespace, out: Path, round_: int) -> dict[str, float]:
     run_dir = out / f"{mode}-r{round_}"
-    cmd = [sys.executable, "-m", "polyrl", "train", "--task", args.task, "--steps", str(args.steps),
+    cmd = [sys.executable, "-m", "polyrl", "train", "--task", args.task, "--method", args.method,
+           "--steps", str(args.steps),
            "--prompts-per-step", str(args.prompts), "--group-size", str(args.group_size), "--eval-every", "0",
            "--eval-prompts", "20", "--checkpoint-every", "0", "--no-tensorboard", "--run-dir", str(run_dir),
            "--overwrite", "--log-every", "0"]
@@ -35,6 +38,7 @@ def run(mode: str, args: argparse.Namespace, out: Path, round_: int) -> dict[str
     return {
         "median_step_seconds": statistics.median(r["perf/step_seconds"] for r in steps),
         "median_gen_seconds": statistics.median(r["perf/gen_seconds"] for r in steps),
+        "median_score_seconds": statistics.median(r["perf/score_seconds"] for r in steps),
         "median_update_seconds": statistics.median(r["perf/update_seconds"] for r in steps),
         "staleness_max": max((r.get("async/staleness_max", 0.0) for r in rows), default=0.0),
     }
@@ -43,6 +47,7 @@ def run(mode: str, args: argparse.Namespace, out: Path, round_: int) -> dict[str
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--task", default="addition")
+    p.add_argument("--method", default="grpo", help="preset (grpo's KL term makes the pipeline score the reference)")
     p.add_argument("--model", default=None, help="model directory (default: the task's warm start)")
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--warmup", type=int, default=5, help="steps left out of the medians")

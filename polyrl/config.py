@@ -82,11 +82,15 @@ class TrainConfig:
     sampler: Literal["uniform", "tree"] = "uniform"
     """rollout allocation: uniform (G per prompt) or tree (TRACE-style roots + branches, same budget)"""
     tree_root_frac: float = 0.5
-    """tree sampler: share of the rollout budget spent on prompt roots (the rest goes to branches)"""
+    """tree sampler: share of the rollout budget spent probing prompts (the rest extends them: roots or branches)"""
     tree_candidates: float = 2.0
     """tree sampler: candidate prompts drawn per group slot (the allocation may skip some)"""
     tree_prune: float = 0.05
     """tree sampler: anchors predicted to succeed with p < prune or p > 1 - prune get no rollouts"""
+    tree_decay: float = 1.0
+    """tree sampler: weight of a prompt's earlier pass-rate history at each new visit (1 = keep all of it)"""
+    tree_max_group: int = 0
+    """tree sampler: most rollouts of one prompt in a step, probes and extensions together (0 = 2 x group size)"""
     agency: str | None = None
     """agency transfer: local model directory of a frozen baseline policy that acts first"""
     agency_schedule: str = "linear:steps=50"
@@ -229,6 +233,7 @@ def validate(cfg: TrainConfig) -> None:
     _rule("tree_root_frac", cfg.tree_root_frac, 0 < cfg.tree_root_frac <= 1, "must be in (0, 1]")
     _rule("tree_candidates", cfg.tree_candidates, cfg.tree_candidates >= 1, "must be >= 1")
     _rule("tree_prune", cfg.tree_prune, 0 <= cfg.tree_prune < 0.5, "must be in [0, 0.5)")
+    _rule("tree_decay", cfg.tree_decay, 0 < cfg.tree_decay <= 1, "must be in (0, 1]")
     if cfg.agency is not None:
         _rule("agency", cfg.agency, Path(cfg.agency).is_dir(), "must be an existing local model directory")
         from polyrl.rollout.agency import parse_schedule
@@ -246,6 +251,16 @@ def validate(cfg: TrainConfig) -> None:
               "does not combine with agency transfer (the baseline would have to live in the generation process)")
     if cfg.sampler == "tree":
         _rule("sampler", cfg.sampler, cfg.group_size >= 2, "'tree' needs group_size >= 2")
+    # settings of a feature that is off would be silently ignored: refuse them
+    default = TrainConfig()
+    _rule("tree_max_group", cfg.tree_max_group, cfg.tree_max_group == 0 or cfg.tree_max_group >= cfg.group_size,
+          f"must be 0 (twice the group size) or >= group_size = {cfg.group_size}")
+    for name in ("tree_root_frac", "tree_candidates", "tree_prune", "tree_decay", "tree_max_group"):
+        _rule(name, getattr(cfg, name), cfg.sampler == "tree" or getattr(cfg, name) == getattr(default, name),
+              "only applies with sampler = 'tree' (add --sampler tree)")
+    for name in ("agency_schedule", "agency_mode"):
+        _rule(name, getattr(cfg, name), cfg.agency is not None or getattr(cfg, name) == getattr(default, name),
+              "only applies with agency transfer (add --agency DIR)")
     _rule("value_clip", cfg.value_clip, cfg.value_clip > 0, "must be > 0")
     _rule("temperature", cfg.temperature, cfg.temperature > 0, "must be > 0")
     _rule("top_p", cfg.top_p, 0 < cfg.top_p <= 1, "must be in (0, 1]")

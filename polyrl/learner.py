@@ -86,6 +86,39 @@ def segment_ids(completion_ids: Tensor, completion_mask: Tensor, boundaries: fro
     return torch.cumsum(is_end, dim=-1) - is_end  # the boundary token belongs to the segment it closes
 
 
+def logprobs_nograd(model: nn.Module, batch: TokenBatch, *, micro_batch_size: int, fp32_head: bool = False,
+                    topk: int = 0, temperature: float = 1.0, top_p: float | None = None,
+                    top_k: int | None = None) -> TokenLogprobs:
+    """Completion log-probs (entropy, top-K) of ``batch`` under ``model``, without gradient, micro-batched."""
+    was_training = model.training
+    model.eval()
+    parts = []
+    with torch.no_grad():
+        for i in range(0, batch.input_ids.shape[0], micro_batch_size):
+            rows = batch.rows(slice(i, i + micro_batch_size))
+            parts.append(completion_logprobs(model, rows.input_ids, rows.attention_mask, rows.completion_mask,
+                                             fp32_head=fp32_head, topk=topk, temperature=temperature, top_p=top_p,
+                                             top_k=top_k))
+    model.train(was_training)
+
+    def cat(name: str) -> Tensor | None:
+        return None if getattr(parts[0], name) is None else torch.cat([getattr(p, name) for p in parts])
+
+    return TokenLogprobs(logp=cat("logp"), entropy=cat("entropy"), topk_ids=cat("topk_ids"),
+                         topk_logp=cat("topk_logp"))
+
+
+def sample_ref_logp(samples: list[Sample], T: int) -> Tensor | None:
+    """[B, T] reference log-probs carried by the samples (the asynchronous pipeline's), or None if one lacks them."""
+    if not samples or any(s.ref_logprobs is None or len(s.ref_logprobs) != len(s.completion_token_ids)
+                          for s in samples):
+        return None
+    out = torch.zeros((len(samples), T), dtype=torch.float32)
+    for i, s in enumerate(samples):
+        out[i, : len(s.ref_logprobs)] = torch.tensor(s.ref_logprobs, dtype=torch.float32)
+    return out
+
+
 class Learner(Protocol):
     """What the training loop needs from a model backend."""
 
@@ -157,22 +190,8 @@ class LocalLearner:
 
     def logprobs_nograd(self, batch: TokenBatch, *, topk: int = 0, model: nn.Module | None = None) -> TokenLogprobs:
         """The same without gradient and micro-batched, for the policy or another model (the reference)."""
-        model = model or self.model
-        was_training = model.training
-        model.eval()
-        parts = []
-        with torch.no_grad():
-            for i in range(0, batch.input_ids.shape[0], self.micro_batch_size):
-                rows = batch.rows(slice(i, i + self.micro_batch_size))
-                parts.append(completion_logprobs(model, rows.input_ids, rows.attention_mask, rows.completion_mask,
-                                                 fp32_head=self.fp32_head, topk=topk, **self.sampling))
-        model.train(was_training)
-
-        def cat(name: str) -> Tensor | None:
-            return None if getattr(parts[0], name) is None else torch.cat([getattr(p, name) for p in parts])
-
-        return TokenLogprobs(logp=cat("logp"), entropy=cat("entropy"), topk_ids=cat("topk_ids"),
-                             topk_logp=cat("topk_logp"))
+        return logprobs_nograd(model or self.model, batch, micro_batch_size=self.micro_batch_size,
+                               fp32_head=self.fp32_head, topk=topk, **self.sampling)
 
     def backward(self, loss: Tensor) -> None:
         loss.backward()

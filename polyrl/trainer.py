@@ -28,7 +28,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from polyrl.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from polyrl.config import TrainConfig, to_dict
 from polyrl.guard import make_monitor, roll_back
-from polyrl.learner import LocalLearner, TokenBatch, ValueHead, boundary_token_ids, segment_ids
+from polyrl.learner import LocalLearner, TokenBatch, ValueHead, boundary_token_ids, sample_ref_logp, segment_ids
 from polyrl.logging import RunLogger, peak_rss_mb, plot_curves, write_summary
 from polyrl.objectives import Method, kl_reward_penalty
 from polyrl.objectives.objective import masked_mean
@@ -185,11 +185,14 @@ def train(cfg: TrainConfig, method: Method, *, model_dir: str, task: Task, run_d
                        critic_opt=critic_opt, topk=TOPK if method.needs_topk else 0)
     if cfg.sampler == "tree":
         parts.tree = TreeSampler(runner, state.pass_counts, root_frac=cfg.tree_root_frac,
-                                 candidate_factor=cfg.tree_candidates, prune=cfg.tree_prune)
+                                 candidate_factor=cfg.tree_candidates, prune=cfg.tree_prune, decay=cfg.tree_decay,
+                                 max_group=cfg.tree_max_group)
     if cfg.async_staleness:
         parts.pipeline = AsyncPipeline(model_dir, task_name=cfg.task, data_file=cfg.data_file,
                                        staleness=cfg.async_staleness, dtype=cfg.dtype, fp32_head=cfg.fp32_lm_head,
-                                       threads=_generator_threads(cfg), weights=policy.state_dict(), version=state.step)
+                                       threads=_generator_threads(cfg), weights=policy.state_dict(), version=state.step,
+                                       reference=reference is not None and not method.ref_sync_every,
+                                       micro_batch_size=cfg.micro_batch_size, **learner.sampling)
     logger = RunLogger(run, tensorboard=cfg.tensorboard, wandb=cfg.wandb, console=console,
                        table_every=cfg.log_every, config=to_dict(cfg))
     if state.eval_before is None:
@@ -312,7 +315,10 @@ def rl_step(cfg: TrainConfig, method: Method, state: TrainState, parts: Componen
     reuse_old = cfg.epochs_per_batch == 1 and cfg.minibatches == 1 and method.kl_placement != "reward"
     old = None if reuse_old else learner.logprobs_nograd(tb, topk=topk)
     old_logp = torch.zeros_like(tb.rollout_logp) if reuse_old else old.logp
-    ref_logp = learner.logprobs_nograd(tb, model=reference).logp if reference is not None else None
+    ref_logp = None
+    if reference is not None:  # the pipeline's process scores a frozen reference while this one trains
+        ref_logp = None if method.ref_sync_every else sample_ref_logp(batch.samples, T)
+        ref_logp = learner.logprobs_nograd(tb, model=reference).logp if ref_logp is None else ref_logp
     values = None
     if critic is not None:
         with torch.no_grad():

@@ -9,6 +9,7 @@ import time
 import pytest
 import torch
 
+from polyrl.learner import TokenBatch, logprobs_nograd
 from polyrl.model import load_policy
 from polyrl.rollout import HFGenerator, SamplingParams
 from polyrl.rollout.episodes import EpisodeRunner
@@ -57,7 +58,8 @@ def pipelines(tiny, tmp_path_factory):
     path, weights = tiny
     missing = str(tmp_path_factory.mktemp("empty") / "missing")
     started = {
-        name: AsyncPipeline(model_dir, task_name="addition", data_file=None, staleness=k, weights=weights(0))
+        name: AsyncPipeline(model_dir, task_name="addition", data_file=None, staleness=k, weights=weights(0),
+                            reference=name == 1, micro_batch_size=3)
         for name, model_dir, k in [(1, path, 1), (2, path, 2), ("broken", missing, 1)]
     }
     yield started
@@ -86,6 +88,7 @@ def test_staleness_is_bounded(pipelines, tiny, k):
         samples = pipeline.result(m, batch(m), PARAMS)
         assert samples is not None and len(samples) == 2 * PARAMS.n
         staleness += [m - s.policy_version for s in samples]
+        assert all((s.ref_logprobs is not None) == (k == 1) for s in samples)  # scored only where asked
         time.sleep(0.2)  # the optimizer step: the generator runs ahead meanwhile
         pipeline.push(weights(m + 1), version=m + 1)
         pipeline.submit(m + lookahead + 1, batch(m + lookahead + 1), PARAMS)
@@ -109,6 +112,14 @@ def test_samples_equal_a_synchronous_generator_at_the_pushed_weights(pipelines, 
         assert [s.completion_token_ids for s in samples] == [s.completion_token_ids for s in expected]
         for got, want in zip(samples, expected):
             torch.testing.assert_close(torch.tensor(got.logprobs), torch.tensor(want.logprobs), rtol=0, atol=1e-5)
+        # the frozen reference (the starting weights) scored them in the generation process
+        reference, _ = load_policy(path, threads=torch.get_num_threads())
+        ref = logprobs_nograd(reference, TokenBatch.from_samples(samples, HFGenerator(reference, _).pad_id),
+                              micro_batch_size=len(samples)).logp
+        for i, got in enumerate(samples):
+            want = ref[i, : len(got.completion_token_ids)]
+            torch.testing.assert_close(torch.tensor(got.ref_logprobs), want, rtol=0, atol=1e-5)
+            assert not torch.allclose(torch.tensor(got.ref_logprobs), torch.tensor(got.logprobs), atol=1e-3)
         tokens = [s.completion_token_ids for s in samples]
         assert tokens != previous  # the same prompts and seed: only the weights changed the samples
         previous = tokens

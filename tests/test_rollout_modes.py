@@ -10,6 +10,7 @@ from rich.console import Console
 
 from polyrl.cli import main
 from polyrl.config import TrainConfig
+from polyrl.learner import LocalLearner
 from polyrl.methods import get_method
 from polyrl.objectives import override
 from polyrl.tasks import CalculatorTask
@@ -63,11 +64,22 @@ def test_agency_ends_with_the_standalone_learner(models, tmp_path):
     assert summary["agency_beta_after"] == 0.0 and summary["learner_eval_after"] == summary["eval_after"]
 
 
-def test_async_staleness_never_exceeds_k(models, tmp_path):
+def test_async_staleness_never_exceeds_k(models, tmp_path, monkeypatch):
+    reference_passes = []
+    forward = LocalLearner.logprobs_nograd
+
+    def counted(self, batch, *, topk=0, model=None):
+        reference_passes.append(model is not None)
+        return forward(self, batch, topk=topk, model=model)
+
+    monkeypatch.setattr(LocalLearner, "logprobs_nograd", counted)
     train(_cfg(steps=5, async_staleness=2), get_method("grpo"), model_dir=models[0], task=_task(),
           run_dir=str(tmp_path), console=QUIET)
     steps = [r for r in _rows(tmp_path) if "async/staleness_max" in r]
     assert len(steps) == 5 and max(r["async/staleness_max"] for r in steps) <= 2
+    # GRPO's KL needs the frozen reference: the generation process scored every prefetched batch, so the
+    # trainer ran the reference only on step 0's batch (sampled in-process, before anything was prefetched)
+    assert reference_passes.count(True) == 1
 
 
 def test_calculator_task_trains_with_the_turn_ratio(models, tmp_path):
@@ -81,7 +93,10 @@ def test_bad_rollout_settings_are_one_line_errors(models, tmp_path, capsys):
     cases = [(["--sampler", "tree", "--method", "dapo"], "sampler = 'tree' needs a group advantage"),
              (["--agency", str(tmp_path / "none")], "agency = "),
              (["--agency", models[1], "--agency-schedule", "cosine:steps=3"], "agency_schedule = 'cosine:steps=3'"),
-             (["--async-staleness", "1", "--sampler", "tree"], "async_staleness = 1")]
+             (["--async-staleness", "1", "--sampler", "tree"], "async_staleness = 1"),
+             (["--tree-candidates", "4"], "tree_candidates = 4.0 is not allowed; only applies with sampler = 'tree'"),
+             (["--sampler", "tree", "--tree-max-group", "3"], "tree_max_group = 3 is not allowed; must be 0"),
+             (["--agency-mode", "sequence"], "agency_mode = 'sequence' is not allowed; only applies with agency")]
     for flags, message in cases:
         assert main([*base, *flags]) == 2
         err = capsys.readouterr().err

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 import random
 
 import pytest
@@ -16,7 +17,9 @@ from polyrl.rollout.generator import Sample, SamplingParams
 from polyrl.rollout.tree import (
     SuccessPredictor,
     TreeSampler,
+    allocate_by_gain,
     allocate_rollouts,
+    expected_useful,
     branch_points,
     p_mixed,
     prefix_estimate,
@@ -26,20 +29,61 @@ from polyrl.tasks.base import Prompt
 from polyrl.tinylm import build_char_tokenizer
 
 
-def test_rollout_objective_dp_equals_brute_force():
+@pytest.mark.parametrize("posterior", [False, True])
+def test_rollout_objective_dp_equals_brute_force(posterior):
     rng = random.Random(1)
     for _ in range(150):
         M, B = rng.randint(1, 4), rng.randint(0, 12)
         p = [rng.choice([0.0, 1.0, rng.random()]) for _ in range(M)]
+        s = [rng.uniform(0.3, 20.0) for _ in range(M)] if posterior else None
         options = [0, *range(2, 7)]
 
-        def value(a, p=p):
-            return sum(n * float(p_mixed(torch.tensor(q, dtype=torch.float64), torch.tensor(n))) for q, n in zip(p, a))
+        def value(a, p=p, s=s):
+            return sum(n * float(p_mixed(torch.tensor(q, dtype=torch.float64), torch.tensor(n),
+                                         None if s is None else torch.tensor(s[m])))
+                       for m, (q, n) in enumerate(zip(p, a)))
 
         brute = max(value(a) for a in itertools.product(options, repeat=M) if sum(a) <= B)
-        alloc = allocate_rollouts(torch.tensor(p), B, n_min=2, n_max=6, objective="rollouts")
+        alloc = allocate_rollouts(torch.tensor(p), B, n_min=2, n_max=6, objective="rollouts",
+                                  strength=None if s is None else torch.tensor(s, dtype=torch.float64))
         assert alloc.sum() <= B
         assert value(alloc.tolist()) == pytest.approx(brute, abs=1e-9)
+
+
+def test_gain_table_dp_equals_brute_force():
+    rng = random.Random(2)
+    for _ in range(150):
+        M, K, B = rng.randint(1, 4), rng.randint(1, 5), rng.randint(0, 10)
+        gain = torch.tensor([[0.0] + [rng.choice([-math.inf, rng.uniform(-1, 3)]) for _ in range(K)]
+                             for _ in range(M)], dtype=torch.float64)
+        best = max(sum(float(gain[m, n]) for m, n in enumerate(a))
+                   for a in itertools.product(range(K + 1), repeat=M) if sum(a) <= B)
+        alloc = allocate_by_gain(gain, B).tolist()
+        assert sum(alloc) <= B and all(gain[m, n] > -math.inf for m, n in enumerate(alloc))
+        assert sum(float(gain[m, n]) for m, n in enumerate(alloc)) == pytest.approx(best, abs=1e-9)
+    with pytest.raises(ValueError, match=r"gain\[:, 0\] = 0"):
+        allocate_by_gain(torch.ones(2, 3), 4)
+
+
+def test_expected_useful_rollouts_of_a_group_with_known_outcomes():
+    p, s = torch.tensor(0.5), torch.tensor(2.0)  # Beta(1, 1)
+    # already mixed: every extra rollout is useful, whatever p
+    assert float(expected_useful(torch.tensor(0.1), s, torch.tensor(3), 1, 1, 0)) == pytest.approx(3.0)
+    # empty group: n P_mix
+    for n in range(5):
+        want = n * float(p_mixed(p, torch.tensor(n), s))
+        assert float(expected_useful(p, s, torch.tensor(n), 0, 0, 0)) == pytest.approx(want)
+    # two failures so far (idle): the group becomes mixed iff a success comes; E[(1-p)^2] = 1/3 under Beta(1, 1)
+    assert float(expected_useful(p, s, torch.tensor(2), 0, 2, 2)) == pytest.approx((2 + 2) * (1 - 1 / 3))
+    # successes only, a sure p: (n + idle) (1 - p^n)
+    sure = torch.tensor(1e9)
+    assert float(expected_useful(torch.tensor(0.8), sure, torch.tensor(3), 2, 0, 2)) == pytest.approx(5 * (1 - 0.512))
+    # Monte Carlo: one failure so far, p ~ Beta(1.2, 1.8), two more rollouts
+    torch.manual_seed(1)
+    q = torch.distributions.Beta(torch.tensor(1.2), torch.tensor(1.8)).sample((200_000,))
+    hit = (torch.rand(200_000, 2) < q[:, None]).any(1).double().mean() * 3
+    assert float(expected_useful(torch.tensor(0.4), torch.tensor(3.0), torch.tensor(2), 0, 1, 1)) == pytest.approx(
+        float(hit), abs=0.01)
 
 
 def test_rollout_objective_prefers_large_groups_on_uncertain_anchors():
@@ -51,15 +95,49 @@ def test_rollout_objective_prefers_large_groups_on_uncertain_anchors():
         allocate_rollouts(p, 8, objective="x")
 
 
-def test_success_predictor_smooths_history_toward_the_running_mean():
+def test_success_predictor_posterior_under_a_fitted_population_prior():
     counts: dict[int, list[float]] = {}
-    pred = SuccessPredictor(counts, prior_strength=2.0)
-    assert pred.prompts([7]).tolist() == [0.5]  # no history at all
+    pred = SuccessPredictor(counts, prior_strength=2.0, min_prompts=2)
+    mean, strength = pred.prompts([7])
+    assert mean.tolist() == [0.5] and strength.tolist() == [2.0]  # no history at all: Beta(1, 1)
     pred.record(1, [1, 1, 1, 1])
     pred.record(2, [0, 0, 0, 0])
-    # p_bar = 4 / 8 = 0.5: (4 + 1) / (4 + 2), (0 + 1) / (4 + 2), unseen -> 0.5
-    assert pred.prompts([1, 2, 3]).tolist() == pytest.approx([5 / 6, 1 / 6, 0.5])
+    pred.record(3, [1, 0, 1, 0])
+    # m = 6 / 12; E[p^2] = mean(12/12, 0, 2/12) = 7/18; var = 7/18 - 1/4 = 5/36; s0 = (1/4) / (5/36) - 1 = 0.8
+    m, s0 = pred.prior()
+    assert (m, s0) == (pytest.approx(0.5), pytest.approx(0.8))
+    mean, strength = pred.prompts([1, 3, 9])
+    assert mean.tolist() == pytest.approx([(0.4 + 4) / 4.8, (0.4 + 2) / 4.8, 0.5])
+    assert strength.tolist() == pytest.approx([4.8, 4.8, 0.8])
+    # a bimodal pool makes an unseen prompt worth less than one seen at 1/2, though both have mean 1/2
+    value = p_mixed(mean, torch.tensor(4), strength)
+    assert value[1] > value[2] + 0.2
+    # too few prompts with two trials: the fixed prior strength
+    assert SuccessPredictor({1: [1.0, 2.0]}, prior_strength=3.0).prior() == (0.5, 3.0)
+    # decay discounts the earlier visits before adding the new one
+    decayed = SuccessPredictor({}, decay=0.5)
+    decayed.record(4, [1, 1])
+    decayed.record(4, [0, 0])
+    assert decayed.counts[4] == [1.0, 3.0]
     assert prefix_estimate(2, 2, 0.25, 2.0) == pytest.approx((2 + 0.5) / 4)
+
+
+def test_beta_binomial_p_mixed_by_hand_and_limits():
+    # Beta(1, 1) (uniform p), n = 2: E[p^2] = 1/3, so P_mix = 1 - 2/3 = 1/3 (= E[2 p (1 - p)])
+    assert float(p_mixed(torch.tensor(0.5), torch.tensor(2), torch.tensor(2.0))) == pytest.approx(1 / 3)
+    # a very confident posterior is the point value; n < 2 is never mixed
+    p = torch.tensor([0.2, 0.5, 0.9])
+    sure = p_mixed(p, torch.tensor(4), torch.full((3,), 1e9))
+    assert sure.tolist() == pytest.approx(p_mixed(p, torch.tensor(4)).tolist())
+    assert p_mixed(p, torch.tensor(1), torch.full((3,), 2.0)).tolist() == [0.0, 0.0, 0.0]
+    # Monte Carlo: draw p ~ Beta, then 3 Bernoulli(p)
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(0)
+    q = torch.distributions.Beta(torch.tensor(0.6), torch.tensor(0.9)).sample((200_000,))
+    draws = torch.rand(200_000, 3, generator=g) < q[:, None]
+    mixed = (draws.any(1) & ~draws.all(1)).double().mean()
+    predicted = float(p_mixed(torch.tensor(0.4), torch.tensor(3), torch.tensor(1.5)))
+    assert predicted == pytest.approx(float(mixed), abs=0.005)
 
 
 def test_branch_points_turn_boundaries_and_half_length():
@@ -149,3 +227,25 @@ def test_tree_sampler_spends_the_budget_skips_decided_prompts_and_builds_sibling
         cut = int(batch.tree.branch_at[i])
         assert batch.samples[i].loss_mask[:cut] == [0] * cut and all(batch.samples[i].loss_mask[cut:])
     assert counts[0][1] > 2  # the predictor's history grew with the root outcomes
+
+
+def test_a_mixed_probe_is_extended_past_the_group_size():
+    tok = build_char_tokenizer()
+    prompts = [Prompt(f"p{k}", f"{k}=", "11") for k in range(4)]
+    p_right = {"0=": 0.5, "1=": 1.0, "2=": 0.0, "3=": 0.0}
+    counts = {0: [10.0, 20.0], 1: [20.0, 20.0], 2: [0.0, 20.0], 3: [0.0, 20.0]}
+    runner = EpisodeRunner(ScriptedGenerator(tok, p_right), tok, TwoCharTask())
+    sampler = TreeSampler(runner, counts, root_frac=0.25, candidate_factor=2.0, prune=0.05)
+    params = SamplingParams(n=4, max_new_tokens=4, seed=0)
+    batch = sampler.collect(TwoCharTask(), get_method("grpo"), lambda k: [(i % 4, prompts[i % 4]) for i in range(k)],
+                            num_groups=2, params=params, history={})
+    # a probe of two on the uncertain prompt, then the rest of the budget joins its root group (past G = 4);
+    # the decided prompts get nothing
+    assert batch.group_ids.tolist() == [0] * 8 and bool(batch.tree.is_root.all())
+    assert batch.stats["tree/roots_extended"] == 6
+    assert batch.stats["rollout/utilization"] == (1.0 if len(set(batch.scores.tolist())) == 2 else 0.0)
+    # with max_group = G the prompt's root group stops at G; the rest of the budget goes elsewhere
+    capped = TreeSampler(runner, dict(counts), root_frac=0.25, candidate_factor=2.0, prune=0.05, max_group=4)
+    batch = capped.collect(TwoCharTask(), get_method("grpo"), lambda k: [(i % 4, prompts[i % 4]) for i in range(k)],
+                           num_groups=2, params=params, history={})
+    assert int((batch.group_ids[batch.tree.is_root] == 0).sum()) == 4

@@ -55,6 +55,7 @@ class Sample:
     turn_ids: list[int] | None = None  # per completion token: agent-turn index (multi-turn tasks); None = all 0
     policy_version: int = 0  # optimizer steps the sampling weights had seen (asynchronous pipeline)
     baseline_tokens: int = 0  # tokens chosen by the agency-transfer baseline policy
+    ref_logprobs: list[float] | None = None  # per completion token under the frozen reference (asynchronous pipeline)
 
 
 class Generator(Protocol):

@@ -11,6 +11,11 @@ tensors; ``push`` copies the new weights into them under a lock and sets a share
 (the number of optimizer steps those weights have seen). Nothing is pickled per step. The cost is
 two more copies of the weights in host memory (the shared buffer and the child's model).
 
+The frozen reference scores there too (``reference=True``): its log-probs depend on the sample alone,
+so the process that generated a batch annotates it (``Sample.ref_logprobs``) while the trainer is busy,
+and the trainer's critical path loses a forward pass -- what verl and OpenRLHF do with a separate
+reference worker. A reference synced to the policy (Humanline) stays in the trainer.
+
 The staleness bound. Requests are FIFO, one per trainer step ``m`` (the batch the trainer consumes
 at step ``m``). Before generating request ``m`` the process waits until ``version >= m - k``, then
 loads the newest weights and stamps every ``Sample.policy_version`` with the version it used. So a
@@ -27,6 +32,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import os
 import queue
 import signal
@@ -38,6 +44,7 @@ import torch
 import torch.multiprocessing as mp
 from torch import Tensor
 
+from polyrl.learner import TokenBatch, logprobs_nograd
 from polyrl.model import load_policy
 from polyrl.rollout.episodes import EpisodeRunner
 from polyrl.rollout.generator import Sample, SamplingParams
@@ -58,6 +65,21 @@ class _Request:
     step: int
     prompts: list[Prompt]
     params: SamplingParams
+
+
+@dataclass(frozen=True)
+class _ChildConfig:
+    """What the generation process builds its models from (passed once, at process start)."""
+
+    model_dir: str
+    task_name: str
+    data_file: str | None
+    staleness: int
+    dtype: str
+    fp32_head: bool
+    threads: int
+    reference: bool  # also load the starting model as the frozen reference and score every sample with it
+    logprob_kwargs: dict  # micro_batch_size, temperature, top_p, top_k: as the trainer scores
 
 
 @dataclass
@@ -88,6 +110,11 @@ class AsyncPipeline:
         fp32_head: bool = False,
         threads: int = 1,
         version: int = 0,
+        reference: bool = False,
+        micro_batch_size: int = 8,
+        temperature: float = 1.0,
+        top_p: float | None = None,
+        top_k: int | None = None,
     ) -> None:
         if staleness < 0:
             raise ValueError(f"staleness must be >= 0, got {staleness}")
@@ -97,6 +124,8 @@ class AsyncPipeline:
             raise ValueError(f"version must be >= 0, got {version}")
         if not weights:
             raise ValueError("weights must be the trainer's state dict, got an empty dict")
+        if micro_batch_size < 1:
+            raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
         self.staleness = staleness
         self._version = version  # last version pushed (initial weights: `version`, default 0)
         self._pending: dict[int, tuple[tuple[str, ...], SamplingParams]] = {}  # step -> request, in FIFO order
@@ -116,7 +145,9 @@ class AsyncPipeline:
         )
         self._process = ctx.Process(
             target=_worker,
-            args=(model_dir, task_name, data_file, staleness, dtype, fp32_head, threads, self._shared),
+            args=(_ChildConfig(model_dir, task_name, data_file, staleness, dtype, fp32_head, threads, reference,
+                               dict(micro_batch_size=micro_batch_size, temperature=temperature, top_p=top_p,
+                                    top_k=top_k)), self._shared),
             name="polyrl-generation",
             daemon=True,  # never outlives the trainer
         )
@@ -278,16 +309,21 @@ class AsyncPipeline:
 # --------------------------------------------------------------------------------------------- child side
 
 
-def _worker(model_dir: str, task_name: str, data_file: str | None, staleness: int, dtype: str, fp32_head: bool,
-            threads: int, shared: _Shared) -> None:
+def _worker(cfg: _ChildConfig, shared: _Shared) -> None:
     """The generation process: serve requests until stopped; any failure is sent to the trainer as text."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle; it closes us
     code = 0
     try:
-        torch.set_num_threads(threads)
-        model, tokenizer = load_policy(model_dir, dtype=dtype, threads=threads)
-        generator = HFGenerator(model, tokenizer, fp32_head=fp32_head)
-        _serve(EpisodeRunner(generator, tokenizer, get_task(task_name, data_file)), generator, staleness, shared)
+        torch.set_num_threads(cfg.threads)
+        model, tokenizer = load_policy(cfg.model_dir, dtype=cfg.dtype, threads=cfg.threads)
+        generator = HFGenerator(model, tokenizer, fp32_head=cfg.fp32_head)
+        score = None
+        if cfg.reference:  # the starting model, as the trainer's frozen reference is
+            reference = load_policy(cfg.model_dir, dtype=cfg.dtype, threads=cfg.threads)[0].requires_grad_(False)
+            score = functools.partial(_score_reference, reference, generator.pad_id,
+                                      dict(fp32_head=cfg.fp32_head, **cfg.logprob_kwargs))
+        runner = EpisodeRunner(generator, tokenizer, get_task(cfg.task_name, cfg.data_file))
+        _serve(runner, generator, cfg.staleness, shared, score)
         shared.results.cancel_join_thread()  # stopping: undelivered results do not matter
     except BaseException as error:  # every failure must reach the trainer, never hang it
         code = 1
@@ -300,7 +336,15 @@ def _worker(model_dir: str, task_name: str, data_file: str | None, staleness: in
     atexit.register(os._exit, code)
 
 
-def _serve(runner: EpisodeRunner, generator: HFGenerator, staleness: int, shared: _Shared) -> None:
+def _score_reference(reference: torch.nn.Module, pad_id: int, kwargs: dict, samples: list[Sample]) -> None:
+    """Annotate every sample with its completion tokens' log-probs under the frozen reference."""
+    logp = logprobs_nograd(reference, TokenBatch.from_samples(samples, pad_id), **kwargs).logp
+    for i, sample in enumerate(samples):
+        sample.ref_logprobs = logp[i, : len(sample.completion_token_ids)].tolist()
+
+
+def _serve(runner: EpisodeRunner, generator: HFGenerator, staleness: int, shared: _Shared,
+           score: Callable[[list[Sample]], None] | None = None) -> None:
     """Serve requests in order, each at weights at most ``staleness`` versions older than its step."""
     loaded = None  # version of the weights in the model; the shared initial weights are loaded first
     while (request := _next_request(shared)) is not None:
@@ -316,6 +360,8 @@ def _serve(runner: EpisodeRunner, generator: HFGenerator, staleness: int, shared
         samples = runner.sample(request.prompts, request.params)
         for sample in samples:
             sample.policy_version = loaded
+        if score is not None:
+            score(samples)
         shared.results.put(("ok", request.step, samples))
 
 

@@ -13,18 +13,24 @@ exactly. Anchors predicted to always succeed or always fail (p in {0, 1}) get no
 branches that clearly succeed or fail".
 
 The tree sampler (``TreeSampler``, also ours) spends one step's rollout budget B = groups x G in two
-stages, as the paper describes:
+stages, as the paper describes (roots, then expansions):
 
 1. roots: draw ``candidate_factor`` x groups prompts, predict each one's success probability from its
-   pass-rate history (``SuccessPredictor``: a Beta-smoothed rate with the running mean as prior), prune
-   prompts predicted decided (p < prune or p > 1 - prune) and allocate ``root_frac`` x B rollouts with
-   the DP (n in {0} U [2, G]);
-2. branches: every root rollout offers prefixes -- the completion up to a turn boundary (multi-turn
-   tasks) or up to half its length (single-turn) -- as anchors. Each anchor's success probability is
-   an online estimate from the root rollouts that share that prefix, smoothed toward their group's
-   rate; decided anchors are pruned and the rest of the budget goes to them by the same DP. A chosen
-   anchor gets n fresh continuations; with the root rollouts through it, they form a sibling group;
-3. top-up: budget the branches left unused goes, by the same DP, to candidates that got no roots.
+   pass-rate history (``SuccessPredictor``: a Beta posterior under a prior fitted to the whole pool, so
+   P_mix is the Beta-binomial predictive and an unseen prompt is worth the pool's mixed rate, not the
+   maximum), prune prompts predicted decided (p < prune or p > 1 - prune) and allocate ``root_frac`` x B
+   rollouts with the DP (n in {0} U [2, G]);
+2. extend, once the probes' outcomes are known: one DP (``allocate_by_gain``) over two kinds of anchor.
+   (a) every candidate prompt: more rollouts join its root group (up to ``max_group``, default 2 G); (b) every prefix of
+   a root rollout -- the completion up to a turn boundary (multi-turn tasks) or up to half its length
+   (single-turn) -- whose success probability is an online estimate from the root rollouts through it,
+   smoothed toward their group's rate (decided prefixes are pruned); a chosen prefix gets n fresh
+   continuations, which form a sibling group with the root rollouts through it. The gain of n rollouts
+   is ``expected_useful``: the expected number of rollouts newly in a mixed group given the outcomes
+   the group already holds -- a probe that came back mixed makes every extra rollout useful, one that
+   came back all-fail is worth extending only as far as a success stays likely. (A root rollout that
+   could become useful through both its root and a sibling group is counted in both: the DP's value
+   is an upper bound there.) Both stages together never exceed B.
 
 Tree advantages: a leaf is compared with the sibling group of its deepest branching anchor (the
 method's group estimator on sibling groups); tokens after the branch point use that advantage, the
@@ -49,16 +55,37 @@ from polyrl.rollout.generator import SamplingParams
 from polyrl.tasks.base import Prompt, Task
 
 
-def p_mixed(p: Tensor, n: Tensor) -> Tensor:
-    """Probability that n Bernoulli(p) rollouts contain both a success and a failure (0 for n < 2)."""
-    p = p.to(torch.float64)
+def p_mixed(p: Tensor, n: Tensor, strength: Tensor | None = None) -> Tensor:
+    """Probability that n Bernoulli(p) rollouts contain both a success and a failure (0 for n < 2).
+
+    With ``strength`` s the success probability is itself uncertain, p ~ Beta(p s, (1 - p) s) (a posterior
+    from s pseudo-trials), and the value is the Beta-binomial predictive 1 - E[p^n] - E[(1 - p)^n], with
+    E[p^n] = prod_{j<n} (a + j) / (s + j). An anchor seen once at 1/2 is then worth less than one seen
+    many times at 1/2: the allocation prefers prompts it knows to be uncertain over prompts it knows nothing of.
+    """
+    p = torch.as_tensor(p, dtype=torch.float64)
     n = torch.as_tensor(n, dtype=torch.float64)
-    value = 1.0 - p.pow(n) - (1.0 - p).pow(n)
+    if strength is None:
+        value = 1.0 - p.pow(n) - (1.0 - p).pow(n)
+    else:
+        e_p, e_q = _beta_moments(p, torch.as_tensor(strength, dtype=torch.float64), n)
+        value = 1.0 - e_p - e_q
     return torch.where(n >= 2, value, torch.zeros_like(value))
 
 
+def _beta_moments(p: Tensor, s: Tensor, n: Tensor) -> tuple[Tensor, Tensor]:
+    """(E[q^n], E[(1 - q)^n]) for q ~ Beta(p s, (1 - p) s): prod_{j<n} (a + j) / (s + j), broadcast."""
+    p, s, n = torch.broadcast_tensors(p, s, n)
+    e_p, e_q = torch.ones_like(p), torch.ones_like(p)
+    for j in range(int(n.max()) if n.numel() else 0):
+        on = n > j
+        e_p = torch.where(on, e_p * (p * s + j) / (s + j), e_p)
+        e_q = torch.where(on, e_q * ((1 - p) * s + j) / (s + j), e_q)
+    return e_p, e_q
+
+
 def allocate_rollouts(p_hat: Tensor, budget: int, *, n_min: int = 2, n_max: int | None = None,
-                      objective: str = "groups") -> Tensor:
+                      objective: str = "groups", strength: Tensor | None = None) -> Tensor:
     """Exact allocation [M] maximising the expected number of mixed-outcome groups under a rollout budget.
 
     ``p_hat`` [M]: predicted success probability per anchor; ``budget``: total rollouts B; each anchor
@@ -66,7 +93,8 @@ def allocate_rollouts(p_hat: Tensor, budget: int, *, n_min: int = 2, n_max: int 
     to earlier anchors, so the result is deterministic. ``objective="groups"`` maximises
     sum_m P_mix(p_m, n_m) (the spec's form; it favours many groups of two); ``"rollouts"`` maximises the
     expected number of rollouts that sit in mixed groups, sum_m n_m P_mix(p_m, n_m) -- the rollout
-    utilization the tree sampler reports, so it is the sampler's default.
+    utilization the tree sampler reports, so it is the sampler's default. ``strength`` [M] (optional): the
+    predictions are Beta posteriors with that many pseudo-trials (``p_mixed``).
     """
     if objective not in ("groups", "rollouts"):
         raise ValueError(f"objective = {objective!r} is not allowed; use 'groups' or 'rollouts'")
@@ -80,59 +108,113 @@ def allocate_rollouts(p_hat: Tensor, budget: int, *, n_min: int = 2, n_max: int 
     p = p_hat.detach().to(torch.float64).cpu()
     if ((p < 0) | (p > 1)).any():
         raise ValueError("p_hat must lie in [0, 1]")
-    M = p.numel()
-    choices = [0, *range(n_min, min(n_max, budget) + 1)]
-    weight = (lambda n: float(n)) if objective == "rollouts" else (lambda n: 1.0)
-    gain = [[weight(n) * float(p_mixed(p[m], torch.tensor(n))) for n in choices] for m in range(M)]
-    # best[m][b]: best value of anchors m.. with b rollouts left; take[m][b]: the choice index achieving it
+    if strength is not None and (strength.shape != p.shape or bool((strength <= 0).any())):
+        raise ValueError(f"strength must be positive with the shape of p_hat {tuple(p.shape)}")
+    choices = torch.arange(min(n_max, budget) + 1, dtype=torch.float64)
+    weight = choices if objective == "rollouts" else torch.ones_like(choices)
+    table = weight * p_mixed(p[:, None], choices[None, :], None if strength is None else
+                             strength.to(torch.float64)[:, None])
+    table[:, 1:n_min] = -math.inf  # 0 or between n_min and n_max
+    return allocate_by_gain(table, budget)
+
+
+def allocate_by_gain(gain: Tensor, budget: int) -> Tensor:
+    """Exact allocation [M] maximising sum_m gain[m, n_m] subject to sum_m n_m <= budget (dynamic programme).
+
+    ``gain`` [M, K + 1]: the value of giving anchor m exactly n = 0..K rollouts (-inf: not allowed; column 0
+    must be 0). Ties go to the smaller total, then to earlier anchors, so the result is deterministic.
+    """
+    if budget < 0:
+        raise ValueError(f"budget = {budget} must be >= 0")
+    g = gain.detach().to(torch.float64).cpu()
+    if g.dim() != 2 or bool((g[:, 0] != 0).any()):
+        raise ValueError(f"gain must be [M, K + 1] with gain[:, 0] = 0, got shape {tuple(g.shape)}")
+    M, K = g.shape[0], g.shape[1] - 1
+    rows = [[(n, float(g[m, n])) for n in range(min(K, budget) + 1) if g[m, n] > -math.inf] for m in range(M)]
+    # best[m][b]: best value of anchors m.. with b rollouts left; take[m][b]: the n achieving it
     best = [[0.0] * (budget + 1) for _ in range(M + 1)]
     take = [[0] * (budget + 1) for _ in range(M)]
     for m in range(M - 1, -1, -1):
         for b in range(budget + 1):
-            top, arg = -1.0, 0
-            for k, n in enumerate(choices):
+            top, arg = -math.inf, 0
+            for n, value in rows[m]:
                 if n > b:
                     break
-                value = gain[m][k] + best[m + 1][b - n]
+                value = value + best[m + 1][b - n]
                 if value > top + 1e-12:  # strict improvement only: prefer fewer rollouts on ties
-                    top, arg = value, k
+                    top, arg = value, n
             best[m][b], take[m][b] = top, arg
     out, left = [], budget
     for m in range(M):
-        n = choices[take[m][left]]
-        out.append(n)
-        left -= n
+        out.append(take[m][left])
+        left -= out[-1]
     return torch.tensor(out, dtype=torch.long)
 
 
-class SuccessPredictor:
-    """Per-prompt success probability from its pass-rate history, smoothed toward the running mean.
+def expected_useful(p: Tensor, strength: Tensor, n: Tensor, successes: Tensor, failures: Tensor,
+                    idle: Tensor) -> Tensor:
+    """Expected rollouts newly in a mixed group when ``n`` more join a group that already has some outcomes.
 
-    p_hat = (successes + a * p_bar) / (trials + a), with a = ``prior_strength`` and p_bar the success rate
-    of every root rollout seen so far (0.5 before any). ``counts`` (pool index -> [successes, trials]) is
-    the trainer's resumable state.
+    A group holding ``successes`` and ``failures`` (counts) is mixed once it has one of each; the new
+    rollouts succeed with p ~ Beta(p s, (1 - p) s). Value: P(mixed after n) (n + idle) - P(mixed now) idle,
+    where ``idle`` counts the group's rollouts not yet useful. An already mixed group gains exactly n (every
+    extra rollout is useful); an empty group gains n P_mix (``p_mixed``); a group of successes only gains
+    (n + idle) (1 - E[p^n]). This is what lets a probe be extended once its outcome is known.
+    """
+    p, s, n = (torch.as_tensor(x, dtype=torch.float64) for x in (p, strength, n))
+    has_s, has_f = torch.as_tensor(successes) > 0, torch.as_tensor(failures) > 0
+    idle = torch.as_tensor(idle, dtype=torch.float64)
+    p, s, n, has_s, has_f, idle = torch.broadcast_tensors(p, s, n, has_s, has_f, idle)
+    e_p, e_q = _beta_moments(p, s, n)
+    mixed_now = (has_s & has_f).to(torch.float64)
+    mixed_after = torch.where(has_s & has_f, torch.ones_like(p), torch.where(
+        has_s, 1 - e_p, torch.where(has_f, 1 - e_q, (1 - e_p - e_q).clamp_min(0))))
+    return mixed_after * (n + idle) - mixed_now * idle
+
+
+class SuccessPredictor:
+    """Per-prompt success probability from its pass-rate history: a Beta posterior under a fitted population prior.
+
+    The prior Beta(m s0, (1 - m) s0) is fitted to every prompt seen so far by the method of moments: m is the
+    pooled success rate and E[p^2] the mean of k (k - 1) / (n (n - 1)) (unbiased per prompt for a binomial),
+    so s0 = m (1 - m) / (E[p^2] - m^2) - 1. A bimodal population (prompts mostly solved or mostly failed)
+    gives a U-shaped prior (s0 < 2): an unseen prompt is then predicted likely decided, and a prompt seen at
+    1/2 likely mixed. Before ``min_prompts`` prompts have two or more trials the prior is Beta(m s, (1 - m) s)
+    with s = ``prior_strength`` (m = 0.5 before any data). A prompt with k successes in n trials gets
+    mean (m s0 + k) / (s0 + n) and strength s0 + n (``prompts``). ``decay`` < 1 discounts earlier visits
+    (counts are multiplied by it before each new record) so the history follows a policy that learns.
+    ``counts`` (pool index -> [successes, trials]) is the trainer's resumable state.
     """
 
-    def __init__(self, counts: MutableMapping[int, list[float]], prior_strength: float = 2.0):
+    def __init__(self, counts: MutableMapping[int, list[float]], prior_strength: float = 2.0, decay: float = 1.0,
+                 min_prompts: int = 8):
         self.counts = counts
-        self.prior_strength = prior_strength
+        self.prior_strength, self.decay, self.min_prompts = prior_strength, decay, min_prompts
 
-    @property
-    def mean(self) -> float:
-        s = sum(c[0] for c in self.counts.values())
-        n = sum(c[1] for c in self.counts.values())
-        return s / n if n else 0.5
+    def prior(self) -> tuple[float, float]:
+        """(mean m, strength s0) of the population prior."""
+        k = torch.tensor([c[0] for c in self.counts.values()], dtype=torch.float64)
+        n = torch.tensor([c[1] for c in self.counts.values()], dtype=torch.float64)
+        m = float(k.sum() / n.sum()) if len(n) and float(n.sum()) > 0 else 0.5
+        two = n >= 2 - 1e-9
+        if int(two.sum()) < self.min_prompts or not 0 < m < 1:
+            return m, self.prior_strength
+        kk, nn = k[two], n[two]
+        p2 = float(((kk * (kk - 1)).clamp_min(0) / (nn * (nn - 1))).mean())  # unbiased E[p^2] per prompt
+        var = min(max(p2 - m * m, 1e-4), m * (1 - m) * (1 - 1e-3))
+        return m, max(m * (1 - m) / var - 1, 1e-3)
 
-    def prompts(self, pool_ids: list[int]) -> Tensor:
-        p_bar, a = self.mean, self.prior_strength
-        out = [(self.counts.get(i, [0.0, 0.0])[0] + a * p_bar) / (self.counts.get(i, [0.0, 0.0])[1] + a)
-               for i in pool_ids]
-        return torch.tensor(out, dtype=torch.float64)
+    def prompts(self, pool_ids: list[int]) -> tuple[Tensor, Tensor]:
+        """Posterior (mean [M], strength [M]) of each prompt's success probability."""
+        m, s0 = self.prior()
+        k = torch.tensor([self.counts.get(i, [0.0, 0.0])[0] for i in pool_ids], dtype=torch.float64)
+        n = torch.tensor([self.counts.get(i, [0.0, 0.0])[1] for i in pool_ids], dtype=torch.float64)
+        return (m * s0 + k) / (s0 + n), s0 + n
 
     def record(self, pool_id: int, scores: list[float]) -> None:
         c = self.counts.setdefault(pool_id, [0.0, 0.0])
-        c[0] += sum(min(1.0, max(0.0, s)) for s in scores)
-        c[1] += len(scores)
+        c[0] = c[0] * self.decay + sum(min(1.0, max(0.0, s)) for s in scores)
+        c[1] = c[1] * self.decay + len(scores)
 
 
 def prefix_estimate(successes: float, trials: int, group_rate: float, prior_strength: float = 2.0) -> float:
@@ -182,11 +264,12 @@ class TreeSampler:
 
     def __init__(self, runner: EpisodeRunner, counts: MutableMapping[int, list[float]], *, root_frac: float = 0.5,
                  candidate_factor: float = 2.0, prune: float = 0.05, prior_strength: float = 2.0,
-                 objective: str = "rollouts"):
+                 objective: str = "rollouts", decay: float = 1.0, max_group: int = 0):
         self.runner = runner
-        self.predictor = SuccessPredictor(counts, prior_strength)
+        self.predictor = SuccessPredictor(counts, prior_strength, decay)
         self.root_frac, self.candidate_factor, self.prune = root_frac, candidate_factor, prune
         self.prior_strength, self.objective = prior_strength, objective
+        self.max_group = max_group  # largest root group after extension (0: twice the group size)
 
     def _pruned(self, p: Tensor) -> Tensor:
         return torch.where((p < self.prune) | (p > 1 - self.prune), torch.zeros_like(p), p)
@@ -194,11 +277,12 @@ class TreeSampler:
     def collect(self, task: Task, method: Method, draw_prompts: Callable[[int], list[tuple[int, Prompt]]], *,
                 num_groups: int, params: SamplingParams, history: MutableMapping[int, float]) -> RolloutBatch:
         G, budget = params.n, num_groups * params.n
-        # 1. roots: predicted pass rates -> DP allocation over the candidate prompts ----------------------
+        # 1. roots: probe the candidate prompts whose posterior promises mixed groups -------------------
         drawn = draw_prompts(max(num_groups, math.ceil(self.candidate_factor * num_groups)))
-        p_root = self.predictor.prompts([i for i, _ in drawn])
+        p_root, s_root = self.predictor.prompts([i for i, _ in drawn])
         root_budget = max(2, round(self.root_frac * budget))
-        alloc = allocate_rollouts(self._pruned(p_root), root_budget, n_min=2, n_max=G, objective=self.objective)
+        alloc = allocate_rollouts(self._pruned(p_root), root_budget, n_min=2, n_max=G, objective=self.objective,
+                                  strength=s_root)
         if int(alloc.sum()) == 0:  # every candidate predicted decided: probe the least decided ones
             order = (p_root - 0.5).abs().argsort()
             alloc[order[: max(1, root_budget // G)]] = min(G, root_budget)
@@ -207,9 +291,9 @@ class TreeSampler:
         for k, n in enumerate(alloc.tolist()):
             roots += self.runner.new([drawn[k][1]], n)
             root_of += [k] * n
-        self.runner.run(roots, params)
-        root_scores = [task.reward(e.prompt, t)[0] for e, t in zip(roots, self._texts(roots))]
-        # 2. branches: prefixes shared by root rollouts, online estimate, DP over the rest of the budget ---
+        root_scores = self._play(task, roots, params)
+        # 2. extend: one DP over (a) the candidates -- more rollouts join the prompt's root group -- and
+        #    (b) the prefixes of root rollouts -- continuations form a sibling group with the roots through it
         anchors: dict[tuple[int, tuple[int, ...]], list[int]] = {}  # (candidate, prefix tokens) -> root rollouts
         for j, e in enumerate(roots):
             for cut in branch_points(e, self.runner.tool):
@@ -218,60 +302,71 @@ class TreeSampler:
             members += [j for j, e in enumerate(roots) if root_of[j] == k and len(e.token_ids) > len(prefix)
                         and tuple(e.token_ids[: len(prefix)]) == prefix]
         keys = list(anchors)
-        group_rate = {k: sum(root_scores[j] for j in range(len(roots)) if root_of[j] == k) / int(alloc[k])
-                      for k in set(root_of)}
-        p_anchor = torch.tensor([prefix_estimate(sum(root_scores[j] for j in anchors[key]), len(anchors[key]),
-                                                 group_rate[key[0]], self.prior_strength) for key in keys],
-                                dtype=torch.float64)
-        branch_budget = budget - len(roots)
-        n_branch = torch.zeros(len(keys), dtype=torch.long)
-        if keys and branch_budget >= 2:
-            n_branch = allocate_rollouts(self._pruned(p_anchor), branch_budget, n_min=2, n_max=G,
-                                         objective=self.objective)
-        chosen = [(key, n) for key, n in zip(keys, n_branch.tolist()) if n > 0]
+        group = [[root_scores[j] for j in range(len(roots)) if root_of[j] == k] for k in range(len(drawn))]
+        root_mixed = [_mixed(g) for g in group]
+        succ = torch.tensor([sum(x > 0.5 for x in g) for g in group]  # success = score above 1/2
+                            + [sum(root_scores[j] > 0.5 for j in anchors[key]) for key in keys], dtype=torch.float64)
+        size = torch.tensor([len(g) for g in group] + [len(anchors[key]) for key in keys], dtype=torch.float64)
+        idle = torch.tensor([0 if root_mixed[k] else len(g) for k, g in enumerate(group)]
+                            + [sum(not root_mixed[root_of[j]] for j in anchors[key]) for key in keys],
+                            dtype=torch.float64)
+        # candidates: the posterior updated with this step's outcomes; prefixes: the online estimate
+        p_anchor = torch.tensor([prefix_estimate(float(succ[len(drawn) + a]), len(anchors[key]),
+                                                 sum(group[key[0]]) / len(group[key[0]]), self.prior_strength)
+                                 for a, key in enumerate(keys)], dtype=torch.float64)
+        mean = torch.cat([(p_root * s_root + succ[: len(drawn)]) / (s_root + size[: len(drawn)]),
+                          self._pruned(p_anchor)])
+        strength = torch.cat([s_root + size[: len(drawn)], size[len(drawn):] + self.prior_strength])
+        cap = torch.cat([(self.max_group or 2 * G) - size[: len(drawn)], torch.full((len(keys),), float(G))])
+        cap = cap.clamp_min(0).long()
+        n = torch.arange(int(cap.max()) + 1, dtype=torch.float64)
+        gain = expected_useful(mean[:, None], strength[:, None], n[None, :], succ[:, None],
+                               (size - succ)[:, None], idle[:, None])
+        gain[n[None, :] > cap[:, None]] = -math.inf
+        gain[(size == 0)[:, None] & (n[None, :] == 1)] = -math.inf  # a new group needs two rollouts
+        gain[torch.cat([torch.zeros(len(drawn), dtype=torch.bool), self._pruned(p_anchor) == 0]), 1:] = -math.inf
+        extra = allocate_by_gain(gain, max(0, budget - len(roots)))
+        chosen = [(key, int(m)) for key, m in zip(keys, extra[len(drawn):].tolist()) if m > 0]
         # each root rollout joins the sibling group of its deepest chosen anchor
         sibling_of = [-1] * len(roots)
         for a, (key, _) in enumerate(chosen):
             for j in anchors[key]:
                 if sibling_of[j] < 0 or len(chosen[sibling_of[j]][0][1]) < len(key[1]):
                     sibling_of[j] = a
+        more: list[Episode] = []
+        more_of: list[int] = []
+        for k, m in enumerate(extra[: len(drawn)].tolist()):
+            more += self.runner.new([drawn[k][1]], m)
+            more_of += [k] * m
         conts: list[Episode] = []
         cont_anchor: list[int] = []
-        for a, (key, n) in enumerate(chosen):
-            source = roots[anchors[key][0]]
-            conts += [prefix_episode(source, len(key[1])) for _ in range(n)]
-            cont_anchor += [a] * n
-        if conts:
-            self.runner.run(conts, _reseeded(params, 1))
-        cont_scores = [task.reward(e.prompt, t)[0] for e, t in zip(conts, self._texts(conts))]
-        # 3. top-up: budget the branches did not use goes to roots of candidates that got none yet
-        left = budget - len(roots) - len(conts)
-        if left >= 2:
-            unused = torch.where(alloc > 0, torch.zeros_like(p_root), self._pruned(p_root))
-            extra = allocate_rollouts(unused, left, n_min=2, n_max=G, objective=self.objective)
-            more: list[Episode] = []
-            for k, n in enumerate(extra.tolist()):
-                more += self.runner.new([drawn[k][1]], n)
-                root_of += [k] * n
-            if more:
-                self.runner.run(more, _reseeded(params, 2))
-                roots += more
-                root_scores += [task.reward(e.prompt, t)[0] for e, t in zip(more, self._texts(more))]
-                sibling_of += [-1] * len(more)
-                alloc = alloc + extra
+        for a, (key, m) in enumerate(chosen):
+            conts += [prefix_episode(roots[anchors[key][0]], len(key[1])) for _ in range(m)]
+            cont_anchor += [a] * m
+        scores = self._play(task, more + conts, _reseeded(params, 1))
+        roots, root_of, root_scores = roots + more, root_of + more_of, root_scores + scores[: len(more)]
+        sibling_of += [-1] * len(more)
+        cont_scores = scores[len(more):]
         for k in set(root_of):
-            scores = [root_scores[j] for j in range(len(roots)) if root_of[j] == k]
-            self.predictor.record(drawn[k][0], scores)
-            history[drawn[k][0]] = max(history.get(drawn[k][0], 0.0), sum(scores) / len(scores))
+            got = [root_scores[j] for j in range(len(roots)) if root_of[j] == k]
+            self.predictor.record(drawn[k][0], got)
+            history[drawn[k][0]] = max(history.get(drawn[k][0], 0.0), sum(got) / len(got))
         pruned = int((self._pruned(p_anchor) == 0).sum())
         return self._batch(method, params, drawn, roots, root_of, root_scores, sibling_of, conts, cont_anchor,
-                           cont_scores, chosen, n_candidates=len(drawn), pruned=pruned)
+                           cont_scores, chosen, n_candidates=len(drawn), pruned=pruned, extended=len(more))
+
+    def _play(self, task: Task, episodes: list[Episode], params: SamplingParams) -> list[float]:
+        """Run the episodes to their end; their task scores."""
+        if not episodes:
+            return []
+        self.runner.run(episodes, params)
+        return [task.reward(e.prompt, t)[0] for e, t in zip(episodes, self._texts(episodes))]
 
     def _texts(self, episodes: list[Episode]) -> list[str]:
         return self.runner.tokenizer.batch_decode([e.token_ids for e in episodes], skip_special_tokens=True)
 
     def _batch(self, method, params, drawn, roots, root_of, root_scores, sibling_of, conts, cont_anchor, cont_scores,
-               chosen, *, n_candidates: int, pruned: int) -> RolloutBatch:
+               chosen, *, n_candidates: int, pruned: int, extended: int) -> RolloutBatch:
         episodes = roots + conts
         if not episodes:
             raise NoUsableGroups("the tree sampler allocated no rollouts", {"rollout/generated": 0.0,
@@ -306,7 +401,8 @@ class TreeSampler:
             "rollout/mixed_group_frac": mixed_roots / max(1, len(root_groups)),
             "tree/candidates": float(n_candidates), "tree/roots": float(len(roots)),
             "tree/anchors_branched": float(len(chosen)), "tree/continuations": float(len(conts)),
-            "tree/anchors_pruned": float(pruned), "tree/mixed_sibling_frac": mixed_sibs / max(1, len(chosen)),
+            "tree/anchors_pruned": float(pruned), "tree/roots_extended": float(extended),
+            "tree/mixed_sibling_frac": mixed_sibs / max(1, len(chosen)),
         }
         return RolloutBatch(group_ids=pool_ids, prompts=[e.prompt for e in episodes], samples=samples, scores=scores,
                             rewards=rewards, keep=torch.ones(len(episodes), dtype=torch.bool), truncated=truncated,
