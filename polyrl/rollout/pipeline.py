@@ -96,7 +96,12 @@ class _Shared:
 
 
 class AsyncPipeline:
-    """Generate the batches of future trainer steps in a separate process, at most ``staleness`` versions old."""
+    """Generate the batches of future trainer steps in a separate process, at most ``staleness`` versions old.
+
+    ``reference=True`` also scores every sample under the starting model (``Sample.ref_logprobs``);
+    ``micro_batch_size``, ``temperature``, ``top_p`` and ``top_k`` are that scoring's (as the trainer's
+    ``logprobs_nograd``) and matter only then.
+    """
 
     def __init__(
         self,

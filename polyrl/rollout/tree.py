@@ -207,8 +207,8 @@ class SuccessPredictor:
     def prompts(self, pool_ids: list[int]) -> tuple[Tensor, Tensor]:
         """Posterior (mean [M], strength [M]) of each prompt's success probability."""
         m, s0 = self.prior()
-        k = torch.tensor([self.counts.get(i, [0.0, 0.0])[0] for i in pool_ids], dtype=torch.float64)
-        n = torch.tensor([self.counts.get(i, [0.0, 0.0])[1] for i in pool_ids], dtype=torch.float64)
+        seen = torch.tensor([self.counts.get(i, (0.0, 0.0)) for i in pool_ids], dtype=torch.float64).reshape(-1, 2)
+        k, n = seen[:, 0], seen[:, 1]
         return (m * s0 + k) / (s0 + n), s0 + n
 
     def record(self, pool_id: int, scores: list[float]) -> None:
@@ -314,8 +314,9 @@ class TreeSampler:
         p_anchor = torch.tensor([prefix_estimate(float(succ[len(drawn) + a]), len(anchors[key]),
                                                  sum(group[key[0]]) / len(group[key[0]]), self.prior_strength)
                                  for a, key in enumerate(keys)], dtype=torch.float64)
+        p_anchor = self._pruned(p_anchor)  # decided prefixes: 0, and no continuations below
         mean = torch.cat([(p_root * s_root + succ[: len(drawn)]) / (s_root + size[: len(drawn)]),
-                          self._pruned(p_anchor)])
+                          p_anchor])
         strength = torch.cat([s_root + size[: len(drawn)], size[len(drawn):] + self.prior_strength])
         cap = torch.cat([(self.max_group or 2 * G) - size[: len(drawn)], torch.full((len(keys),), float(G))])
         cap = cap.clamp_min(0).long()
@@ -324,7 +325,7 @@ class TreeSampler:
                                (size - succ)[:, None], idle[:, None])
         gain[n[None, :] > cap[:, None]] = -math.inf
         gain[(size == 0)[:, None] & (n[None, :] == 1)] = -math.inf  # a new group needs two rollouts
-        gain[torch.cat([torch.zeros(len(drawn), dtype=torch.bool), self._pruned(p_anchor) == 0]), 1:] = -math.inf
+        gain[torch.cat([torch.zeros(len(drawn), dtype=torch.bool), p_anchor == 0]), 1:] = -math.inf
         extra = allocate_by_gain(gain, max(0, budget - len(roots)))
         chosen = [(key, int(m)) for key, m in zip(keys, extra[len(drawn):].tolist()) if m > 0]
         # each root rollout joins the sibling group of its deepest chosen anchor
@@ -351,7 +352,7 @@ class TreeSampler:
             got = [root_scores[j] for j in range(len(roots)) if root_of[j] == k]
             self.predictor.record(drawn[k][0], got)
             history[drawn[k][0]] = max(history.get(drawn[k][0], 0.0), sum(got) / len(got))
-        pruned = int((self._pruned(p_anchor) == 0).sum())
+        pruned = int((p_anchor == 0).sum())
         return self._batch(method, params, drawn, roots, root_of, root_scores, sibling_of, conts, cont_anchor,
                            cont_scores, chosen, n_candidates=len(drawn), pruned=pruned, extended=len(more))
 
