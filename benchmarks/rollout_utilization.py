@@ -6,7 +6,9 @@
     .venv/bin/python benchmarks/rollout_utilization.py runs/tree-vs-uniform
 
 For every run: mean ``rollout/utilization`` (share of completions in groups whose rewards differ),
-mean ``rollout/useful_groups_per_token``, rollouts generated, held-out accuracy before/after; then the
+mean ``rollout/useful_groups_per_token``, rollouts generated, held-out accuracy before/after and, where the run
+logged them, the final ``eval/retained`` / ``eval/gained`` (held-out prompts the starting model solved that are
+still solved / the others now solved: a sampler that learns faster but forgets more shows here); then the
 mean per variant and the utilization ratio of each variant to "uniform" (else the first).
 """
 
@@ -30,10 +32,13 @@ def main(out: str) -> None:
                    "useful_groups_per_token": statistics.mean(r["rollout/useful_groups_per_token"] for r in steps),
                    "rollouts": sum(r["rollout/generated"] for r in steps),
                    "eval_before": summary["eval_before"], "eval_after": summary["eval_after"]}
+            final = [r for r in rows if "eval/retained" in r]
+            if final:
+                run |= {"retained": final[-1]["eval/retained"], "gained": final[-1]["eval/gained"]}
             runs.append(run)
             print(f"{vdir.name:>10} {sdir.name}: " + "  ".join(f"{k} {v:.4g}" for k, v in run.items()))
         if runs:
-            table[vdir.name] = {k: statistics.mean(r[k] for r in runs) for k in runs[0]}
+            table[vdir.name] = {k: statistics.mean(r[k] for r in runs) for k in runs[0] if all(k in r for r in runs)}
     first = "uniform" if "uniform" in table else next(iter(table))
     print()
     for name, row in table.items():

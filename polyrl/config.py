@@ -87,10 +87,13 @@ class TrainConfig:
     """tree sampler: candidate prompts drawn per group slot (the allocation may skip some)"""
     tree_prune: float = 0.05
     """tree sampler: anchors predicted to succeed with p < prune or p > 1 - prune get no rollouts"""
-    tree_decay: float = 1.0
-    """tree sampler: weight of a prompt's earlier pass-rate history at each new visit (1 = keep all of it)"""
+    tree_half_life: float = 0.0
+    """tree sampler: steps after which a prompt's pass-rate history counts half (0 = it never ages)"""
     tree_max_group: int = 0
     """tree sampler: most rollouts of one prompt in a step, probes and extensions together (0 = 2 x group size)"""
+    tree_probe: Literal["groups", "rollouts"] = "rollouts"
+    """tree sampler: what the probe allocation maximises: expected mixed groups (spreads probes of two over more
+    prompts) or expected rollouts in mixed groups (fewer, fuller groups)"""
     agency: str | None = None
     """agency transfer: local model directory of a frozen baseline policy that acts first"""
     agency_schedule: str = "linear:steps=50"
@@ -233,7 +236,7 @@ def validate(cfg: TrainConfig) -> None:
     _rule("tree_root_frac", cfg.tree_root_frac, 0 < cfg.tree_root_frac <= 1, "must be in (0, 1]")
     _rule("tree_candidates", cfg.tree_candidates, cfg.tree_candidates >= 1, "must be >= 1")
     _rule("tree_prune", cfg.tree_prune, 0 <= cfg.tree_prune < 0.5, "must be in [0, 0.5)")
-    _rule("tree_decay", cfg.tree_decay, 0 < cfg.tree_decay <= 1, "must be in (0, 1]")
+    _rule("tree_half_life", cfg.tree_half_life, cfg.tree_half_life >= 0, "must be >= 0 (0 = no ageing)")
     if cfg.agency is not None:
         _rule("agency", cfg.agency, Path(cfg.agency).is_dir(), "must be an existing local model directory")
         from polyrl.rollout.agency import parse_schedule
@@ -255,7 +258,7 @@ def validate(cfg: TrainConfig) -> None:
     default = TrainConfig()
     _rule("tree_max_group", cfg.tree_max_group, cfg.tree_max_group == 0 or cfg.tree_max_group >= cfg.group_size,
           f"must be 0 (twice the group size) or >= group_size = {cfg.group_size}")
-    for name in ("tree_root_frac", "tree_candidates", "tree_prune", "tree_decay", "tree_max_group"):
+    for name in ("tree_root_frac", "tree_candidates", "tree_prune", "tree_half_life", "tree_max_group", "tree_probe"):
         _rule(name, getattr(cfg, name), cfg.sampler == "tree" or getattr(cfg, name) == getattr(default, name),
               "only applies with sampler = 'tree' (add --sampler tree)")
     for name in ("agency_schedule", "agency_mode"):

@@ -57,6 +57,7 @@ class TrainState:
     empty_steps: int = 0  # RL steps without update because every group was filtered out
     rollbacks: int = 0  # collapse-guard rollbacks so far
     eval_before: float | None = None
+    solved_before: list[bool] | None = None  # held-out prompts the starting model solved (eval/retained, eval/gained)
     last_samples: list | None = None  # a few (prompt, completion, reward) of the latest batch, for samples.jsonl
     pass_counts: dict[int, list[float]] | None = None  # tree sampler: pool index -> [successes, trials]
 
@@ -79,23 +80,31 @@ class Components:
     pipeline: AsyncPipeline | None = None  # --async-staleness k
 
 
-def evaluate(runner: EpisodeRunner, task: Task, prompts: list[Prompt], max_new_tokens: int) -> float:
-    """Held-out greedy accuracy: mean task reward of one greedy completion (or tool episode) per prompt."""
+def evaluate(runner: EpisodeRunner, task: Task, prompts: list[Prompt], max_new_tokens: int) -> list[float]:
+    """Held-out greedy rewards: the task reward of one greedy completion (or tool episode) per prompt."""
     samples = runner.sample(prompts, SamplingParams(n=1, temperature=0.0, max_new_tokens=max_new_tokens))
-    return float(np.mean([task.reward(prompts[s.prompt_index], s.text)[0] for s in samples]))
+    return [task.reward(prompts[s.prompt_index], s.text)[0] for s in sorted(samples, key=lambda s: s.prompt_index)]
 
 
-def evaluate_all(parts: Components, prompts: list[Prompt], max_new_tokens: int, step: int) -> dict[str, float]:
-    """eval/accuracy of the acting system at ``step``; with agency transfer also the standalone learner's."""
+def evaluate_all(parts: Components, prompts: list[Prompt], max_new_tokens: int, step: int,
+                 solved_before: list[bool] | None = None) -> tuple[dict[str, float], list[bool]]:
+    """eval/accuracy of the acting system at ``step`` (and with agency transfer the standalone learner's), and
+    which prompts it solved. Given those the starting model solved, also eval/retained (the share of them still
+    solved: forgetting shows here) and eval/gained (the share of the others now solved)."""
     arbiter = parts.generator.arbiter
     if arbiter is not None:
         arbiter.set_step(step)
-    out = {"eval/accuracy": evaluate(parts.runner, parts.task, prompts, max_new_tokens)}
+    rewards = evaluate(parts.runner, parts.task, prompts, max_new_tokens)
+    out, solved = {"eval/accuracy": float(np.mean(rewards))}, [r > 0.5 for r in rewards]
+    if solved_before is not None and len(solved_before) == len(rewards):
+        for key, start in (("eval/retained", True), ("eval/gained", False)):
+            if start in solved_before:
+                out[key] = float(np.mean([now for now, was in zip(solved, solved_before) if was == start]))
     if arbiter is not None:
         beta, arbiter.beta = arbiter.beta, 0.0
-        out["eval/learner_accuracy"] = evaluate(parts.runner, parts.task, prompts, max_new_tokens)
+        out["eval/learner_accuracy"] = float(np.mean(evaluate(parts.runner, parts.task, prompts, max_new_tokens)))
         out["eval/agency_beta"], arbiter.beta = beta, beta
-    return out
+    return out, solved
 
 
 def prompt_stream(task: Task, seed: int, pool_size: int = 100_000) -> Callable[[int, int], list[tuple[int, Prompt]]]:
@@ -185,8 +194,8 @@ def train(cfg: TrainConfig, method: Method, *, model_dir: str, task: Task, run_d
                        critic_opt=critic_opt, topk=TOPK if method.needs_topk else 0)
     if cfg.sampler == "tree":
         parts.tree = TreeSampler(runner, state.pass_counts, root_frac=cfg.tree_root_frac,
-                                 candidate_factor=cfg.tree_candidates, prune=cfg.tree_prune, decay=cfg.tree_decay,
-                                 max_group=cfg.tree_max_group)
+                                 candidate_factor=cfg.tree_candidates, prune=cfg.tree_prune,
+                                 half_life=cfg.tree_half_life, max_group=cfg.tree_max_group, objective=cfg.tree_probe)
     if cfg.async_staleness:
         parts.pipeline = AsyncPipeline(model_dir, task_name=cfg.task, data_file=cfg.data_file,
                                        staleness=cfg.async_staleness, dtype=cfg.dtype, fp32_head=cfg.fp32_lm_head,
@@ -196,7 +205,7 @@ def train(cfg: TrainConfig, method: Method, *, model_dir: str, task: Task, run_d
     logger = RunLogger(run, tensorboard=cfg.tensorboard, wandb=cfg.wandb, console=console,
                        table_every=cfg.log_every, config=to_dict(cfg))
     if state.eval_before is None:
-        first = evaluate_all(parts, eval_prompts, cfg.max_new_tokens, state.step)
+        first, state.solved_before = evaluate_all(parts, eval_prompts, cfg.max_new_tokens, state.step)
         state.eval_before = first["eval/accuracy"]
         logger.log(state.step, first)
     console.print(f"[bold]{method.name}[/] on {task.name}: held-out accuracy before = {state.eval_before:.3f}")
@@ -218,7 +227,8 @@ def train(cfg: TrainConfig, method: Method, *, model_dir: str, task: Task, run_d
             step_seconds += metrics["perf/step_seconds"]
             metrics["perf/lr"] = learner.lr
             if cfg.eval_every and state.step % cfg.eval_every == 0 and state.step < cfg.steps:
-                metrics.update(evaluate_all(parts, eval_prompts, cfg.max_new_tokens, state.step))
+                metrics.update(evaluate_all(parts, eval_prompts, cfg.max_new_tokens, state.step,
+                                            state.solved_before)[0])
             logger.log(state.step, metrics)
             reason = monitor.update(state.step, metrics) if monitor is not None else None
             if reason is not None:  # --guard: back to the last good checkpoint with a lower learning rate
@@ -236,7 +246,7 @@ def train(cfg: TrainConfig, method: Method, *, model_dir: str, task: Task, run_d
 
     if parts.pipeline is not None:
         parts.pipeline.close()
-    last = evaluate_all(parts, eval_prompts, cfg.max_new_tokens, state.step)
+    last = evaluate_all(parts, eval_prompts, cfg.max_new_tokens, state.step, state.solved_before)[0]
     eval_after = last["eval/accuracy"]
     logger.log(state.step, last)
     save_checkpoint(run, state.step, **learner.state(), state=_state_dict(state, critic_opt), extra_models=extra)
@@ -288,7 +298,7 @@ def rl_step(cfg: TrainConfig, method: Method, state: TrainState, parts: Componen
     try:
         if parts.tree is not None:
             batch = parts.tree.collect(parts.task, method, draw_next, num_groups=cfg.prompts_per_step, params=params,
-                                       history=state.history)
+                                       history=state.history, step=state.step)
         else:
             batch = collect(sample, parts.task, method, draw_next, num_groups=cfg.prompts_per_step, params=params,
                             history=state.history, max_rounds=cfg.max_gen_rounds)

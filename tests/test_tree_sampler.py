@@ -114,11 +114,18 @@ def test_success_predictor_posterior_under_a_fitted_population_prior():
     assert value[1] > value[2] + 0.2
     # too few prompts with two trials: the fixed prior strength
     assert SuccessPredictor({1: [1.0, 2.0]}, prior_strength=3.0).prior() == (0.5, 3.0)
-    # decay discounts the earlier visits before adding the new one
-    decayed = SuccessPredictor({}, decay=0.5)
-    decayed.record(4, [1, 1])
-    decayed.record(4, [0, 0])
-    assert decayed.counts[4] == [1.0, 3.0]
+    # evidence ages: after one half-life without a visit the counts weigh 1/2, and a record adds to the aged counts
+    aging = SuccessPredictor({}, half_life=10)
+    aging.now = 5
+    aging.record(4, [1, 1])
+    aging.now = 15
+    assert aging.prompts([4])[1].item() == pytest.approx(aging.prior()[1] + 1.0)  # 2 trials, one half-life old
+    aging.record(4, [0, 0])
+    assert aging.counts[4] == [1.0, 3.0, 15.0]
+    aging.now = 35  # two half-lives later: 1/4 of (1 success, 3 trials)
+    assert aging.prompts([4])[1].item() == pytest.approx(aging.prior()[1] + 0.75)
+    # without a half-life (and for counts saved before visits were stamped) nothing ages
+    assert SuccessPredictor({4: [1.0, 3.0]}, half_life=10).prompts([4])[1].item() == pytest.approx(2.0 + 3.0)
     assert prefix_estimate(2, 2, 0.25, 2.0) == pytest.approx((2 + 0.5) / 4)
 
 

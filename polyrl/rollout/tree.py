@@ -181,20 +181,30 @@ class SuccessPredictor:
     gives a U-shaped prior (s0 < 2): an unseen prompt is then predicted likely decided, and a prompt seen at
     1/2 likely mixed. Before ``min_prompts`` prompts have two or more trials the prior is Beta(m s, (1 - m) s)
     with s = ``prior_strength`` (m = 0.5 before any data). A prompt with k successes in n trials gets
-    mean (m s0 + k) / (s0 + n) and strength s0 + n (``prompts``). ``decay`` < 1 discounts earlier visits
-    (counts are multiplied by it before each new record) so the history follows a policy that learns.
-    ``counts`` (pool index -> [successes, trials]) is the trainer's resumable state.
+    mean (m s0 + k) / (s0 + n) and strength s0 + n (``prompts``). The policy moves, so evidence ages: with
+    ``half_life`` H > 0 a prompt's counts weigh 2^(-t / H) after t steps without a visit (``now`` is the current
+    step), and its posterior widens back toward the prior. Without it a prompt once seen solved (p > 1 - prune)
+    would never be drawn again, and if the policy forgot it nothing would notice. ``counts`` (pool index ->
+    [successes, trials, step of the last visit]) is the trainer's resumable state.
     """
 
-    def __init__(self, counts: MutableMapping[int, list[float]], prior_strength: float = 2.0, decay: float = 1.0,
+    def __init__(self, counts: MutableMapping[int, list[float]], prior_strength: float = 2.0, half_life: float = 0.0,
                  min_prompts: int = 8):
         self.counts = counts
-        self.prior_strength, self.decay, self.min_prompts = prior_strength, decay, min_prompts
+        self.prior_strength, self.half_life, self.min_prompts = prior_strength, half_life, min_prompts
+        self.now = 0  # current step (the sampler sets it)
+
+    def _aged(self, c: list[float]) -> tuple[float, float]:
+        """(successes, trials) of one prompt, discounted by the steps since its last visit."""
+        if not self.half_life or len(c) < 3:
+            return c[0], c[1]
+        w = 0.5 ** (max(0, self.now - c[2]) / self.half_life)
+        return c[0] * w, c[1] * w
 
     def prior(self) -> tuple[float, float]:
         """(mean m, strength s0) of the population prior."""
-        k = torch.tensor([c[0] for c in self.counts.values()], dtype=torch.float64)
-        n = torch.tensor([c[1] for c in self.counts.values()], dtype=torch.float64)
+        aged = torch.tensor([self._aged(c) for c in self.counts.values()], dtype=torch.float64).reshape(-1, 2)
+        k, n = aged[:, 0], aged[:, 1]
         m = float(k.sum() / n.sum()) if len(n) and float(n.sum()) > 0 else 0.5
         two = n >= 2 - 1e-9
         if int(two.sum()) < self.min_prompts or not 0 < m < 1:
@@ -207,14 +217,14 @@ class SuccessPredictor:
     def prompts(self, pool_ids: list[int]) -> tuple[Tensor, Tensor]:
         """Posterior (mean [M], strength [M]) of each prompt's success probability."""
         m, s0 = self.prior()
-        seen = torch.tensor([self.counts.get(i, (0.0, 0.0)) for i in pool_ids], dtype=torch.float64).reshape(-1, 2)
+        seen = torch.tensor([self._aged(self.counts.get(i, [0.0, 0.0])) for i in pool_ids],
+                            dtype=torch.float64).reshape(-1, 2)
         k, n = seen[:, 0], seen[:, 1]
         return (m * s0 + k) / (s0 + n), s0 + n
 
     def record(self, pool_id: int, scores: list[float]) -> None:
-        c = self.counts.setdefault(pool_id, [0.0, 0.0])
-        c[0] = c[0] * self.decay + sum(min(1.0, max(0.0, s)) for s in scores)
-        c[1] = c[1] * self.decay + len(scores)
+        k, n = self._aged(self.counts.get(pool_id, [0.0, 0.0]))
+        self.counts[pool_id] = [k + sum(min(1.0, max(0.0, s)) for s in scores), n + len(scores), float(self.now)]
 
 
 def prefix_estimate(successes: float, trials: int, group_rate: float, prior_strength: float = 2.0) -> float:
@@ -264,9 +274,9 @@ class TreeSampler:
 
     def __init__(self, runner: EpisodeRunner, counts: MutableMapping[int, list[float]], *, root_frac: float = 0.5,
                  candidate_factor: float = 2.0, prune: float = 0.05, prior_strength: float = 2.0,
-                 objective: str = "rollouts", decay: float = 1.0, max_group: int = 0):
+                 objective: str = "rollouts", half_life: float = 0.0, max_group: int = 0):
         self.runner = runner
-        self.predictor = SuccessPredictor(counts, prior_strength, decay)
+        self.predictor = SuccessPredictor(counts, prior_strength, half_life)
         self.root_frac, self.candidate_factor, self.prune = root_frac, candidate_factor, prune
         self.prior_strength, self.objective = prior_strength, objective
         self.max_group = max_group  # largest root group after extension (0: twice the group size)
@@ -275,8 +285,10 @@ class TreeSampler:
         return torch.where((p < self.prune) | (p > 1 - self.prune), torch.zeros_like(p), p)
 
     def collect(self, task: Task, method: Method, draw_prompts: Callable[[int], list[tuple[int, Prompt]]], *,
-                num_groups: int, params: SamplingParams, history: MutableMapping[int, float]) -> RolloutBatch:
+                num_groups: int, params: SamplingParams, history: MutableMapping[int, float], step: int = 0,
+                ) -> RolloutBatch:
         G, budget = params.n, num_groups * params.n
+        self.predictor.now = step
         # 1. roots: probe the candidate prompts whose posterior promises mixed groups -------------------
         drawn = draw_prompts(max(num_groups, math.ceil(self.candidate_factor * num_groups)))
         p_root, s_root = self.predictor.prompts([i for i, _ in drawn])
