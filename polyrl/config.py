@@ -91,6 +91,9 @@ class TrainConfig:
     """tree sampler: steps after which a prompt's pass-rate history counts half (0 = it never ages)"""
     tree_max_group: int = 0
     """tree sampler: most rollouts of one prompt in a step, probes and extensions together (0 = 2 x group size)"""
+    tree_predictor: Literal["history", "shared"] = "history"
+    """tree sampler: a prompt's success prior from the pool (history) or also from prompts like it (shared: a
+    regression on the policy's features of the prompt, so unseen prompts are predicted too)"""
     tree_probe: Literal["groups", "rollouts"] = "rollouts"
     """tree sampler: what the probe allocation maximises: expected mixed groups (spreads probes of two over more
     prompts) or expected rollouts in mixed groups (fewer, fuller groups)"""
@@ -258,7 +261,8 @@ def validate(cfg: TrainConfig) -> None:
     default = TrainConfig()
     _rule("tree_max_group", cfg.tree_max_group, cfg.tree_max_group == 0 or cfg.tree_max_group >= cfg.group_size,
           f"must be 0 (twice the group size) or >= group_size = {cfg.group_size}")
-    for name in ("tree_root_frac", "tree_candidates", "tree_prune", "tree_half_life", "tree_max_group", "tree_probe"):
+    for name in ("tree_root_frac", "tree_candidates", "tree_prune", "tree_half_life", "tree_max_group", "tree_probe",
+                 "tree_predictor"):
         _rule(name, getattr(cfg, name), cfg.sampler == "tree" or getattr(cfg, name) == getattr(default, name),
               "only applies with sampler = 'tree' (add --sampler tree)")
     for name in ("agency_schedule", "agency_mode"):

@@ -11,6 +11,7 @@ left-padded prompt followed by a right-padded completion block of T columns.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -117,6 +118,24 @@ def sample_ref_logp(samples: list[Sample], T: int) -> Tensor | None:
     for i, s in enumerate(samples):
         out[i, : len(s.ref_logprobs)] = torch.tensor(s.ref_logprobs, dtype=torch.float32)
     return out
+
+
+def prompt_embedder(model: nn.Module, tokenizer) -> Callable[[list[str]], Tensor]:
+    """``embed(texts)`` -> [N, H]: each prompt's mean last hidden state under ``model`` (no grad), the features of
+    the tree sampler's shared success predictor."""
+    def embed(texts: list[str]) -> Tensor:
+        enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=True)
+        device = next(model.parameters()).device
+        was_training = model.training
+        model.eval()
+        with torch.no_grad():
+            out = model(input_ids=enc["input_ids"].to(device), attention_mask=enc["attention_mask"].to(device),
+                        output_hidden_states=True)
+        model.train(was_training)
+        mask = enc["attention_mask"].to(device)[..., None].to(out.hidden_states[-1].dtype)
+        return ((out.hidden_states[-1] * mask).sum(1) / mask.sum(1)).float().cpu()
+
+    return embed
 
 
 class Learner(Protocol):

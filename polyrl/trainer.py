@@ -193,9 +193,12 @@ def train(cfg: TrainConfig, method: Method, *, model_dir: str, task: Task, run_d
                        boundaries=boundary_token_ids(tokenizer), reference=reference, critic=critic,
                        critic_opt=critic_opt, topk=TOPK if method.needs_topk else 0)
     if cfg.sampler == "tree":
+        from polyrl.learner import prompt_embedder
+
         parts.tree = TreeSampler(runner, state.pass_counts, root_frac=cfg.tree_root_frac,
                                  candidate_factor=cfg.tree_candidates, prune=cfg.tree_prune,
-                                 half_life=cfg.tree_half_life, max_group=cfg.tree_max_group, objective=cfg.tree_probe)
+                                 half_life=cfg.tree_half_life, max_group=cfg.tree_max_group, objective=cfg.tree_probe,
+                                 embed=prompt_embedder(policy, tokenizer) if cfg.tree_predictor == "shared" else None)
     if cfg.async_staleness:
         parts.pipeline = AsyncPipeline(model_dir, task_name=cfg.task, data_file=cfg.data_file,
                                        staleness=cfg.async_staleness, dtype=cfg.dtype, fp32_head=cfg.fp32_lm_head,

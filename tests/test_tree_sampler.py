@@ -256,3 +256,46 @@ def test_a_mixed_probe_is_extended_past_the_group_size():
     batch = capped.collect(TwoCharTask(), get_method("grpo"), lambda k: [(i % 4, prompts[i % 4]) for i in range(k)],
                            num_groups=2, params=params, history={})
     assert int((batch.group_ids[batch.tree.is_root] == 0).sum()) == 4
+
+
+def test_shared_predictor_predicts_unseen_prompts_from_similar_ones():
+    """With features, a prompt never seen gets the pass rate of the prompts like it; history alone cannot tell."""
+    gen = torch.Generator().manual_seed(0)
+
+    def embed(texts):  # class "a" prompts vs class "b" prompts, plus noise dimensions
+        cls = torch.tensor([[1.0, 0.0] if t.startswith("a") else [0.0, 1.0] for t in texts])
+        return torch.cat([cls, 0.1 * torch.randn(len(texts), 3, generator=gen)], 1)
+
+    shared, history = SuccessPredictor({}, embed=embed), SuccessPredictor({})
+    rates = {"a": 0.9, "b": 0.2}
+    rng = torch.Generator().manual_seed(1)
+    ids, texts = list(range(40)), [("a" if i % 2 else "b") + str(i) for i in range(40)]
+    shared.prompts(ids, texts)  # features are taken when a prompt is first a candidate
+    for i, t in zip(ids, texts):
+        scores = (torch.rand(8, generator=rng) < rates[t[0]]).float().tolist()
+        shared.record(i, scores)
+        history.record(i, scores)
+    mean, strength = shared.prompts([100, 101], ["a-new", "b-new"])
+    assert mean[0] > 0.8 and mean[1] < 0.3
+    assert strength[0] > history.prior()[1]  # the residual spread is smaller than the pool's
+    h_mean, _ = history.prompts([100, 101])
+    assert h_mean[0] == h_mean[1]
+    # too few prompts seen: the pool prior, as without features
+    few = SuccessPredictor({}, embed=embed)
+    few.prompts([0, 1], ["a0", "b1"])
+    few.record(0, [1, 1])
+    assert few.prompts([5], ["a5"])[0].item() == pytest.approx(few.prior()[0])
+
+
+def test_prompt_features_do_not_depend_on_batch_padding(tmp_path):
+    """The shared predictor's features: a prompt's mean hidden state is the same alone or padded in a batch."""
+    from polyrl.learner import prompt_embedder
+    from polyrl.model import load_policy
+    from polyrl.tinylm import build_tiny_llama
+
+    model, tokenizer = load_policy(str(build_tiny_llama(tmp_path / "m", hidden=32, layers=2, heads=2, seed=0)))
+    embed = prompt_embedder(model, tokenizer)
+    both = embed(["12+34=", "123+456="])
+    assert both.shape == (2, 32)
+    assert torch.allclose(embed(["12+34="])[0], both[0], atol=1e-5)
+    assert not torch.allclose(both[0], both[1], atol=1e-3)

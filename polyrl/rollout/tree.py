@@ -186,13 +186,22 @@ class SuccessPredictor:
     step), and its posterior widens back toward the prior. Without it a prompt once seen solved (p > 1 - prune)
     would never be drawn again, and if the policy forgot it nothing would notice. ``counts`` (pool index ->
     [successes, trials, step of the last visit]) is the trainer's resumable state.
+
+    With ``embed`` (texts -> [N, H] features, e.g. the policy's mean hidden state of the prompt) the predictor is
+    shared across prompts, as TRACE's is: a ridge regression of each seen prompt's smoothed logit pass rate on its
+    features gives every prompt its own prior mean m(x), so a prompt never seen before is predicted from the ones
+    like it; the strength s0 is then fitted to the residual spread E[(p - m(x))^2] by the same moments. Features
+    are taken once, when a prompt is first a candidate (with the policy of that time), and kept in memory: a
+    resumed run rebuilds them as prompts are drawn again, so its predictions are not bit-exact.
     """
 
     def __init__(self, counts: MutableMapping[int, list[float]], prior_strength: float = 2.0, half_life: float = 0.0,
-                 min_prompts: int = 8):
+                 min_prompts: int = 8, embed: Callable[[list[str]], Tensor] | None = None, ridge: float = 10.0):
         self.counts = counts
         self.prior_strength, self.half_life, self.min_prompts = prior_strength, half_life, min_prompts
         self.now = 0  # current step (the sampler sets it)
+        self.embed, self.ridge = embed, ridge
+        self.features: dict[int, Tensor] = {}  # pool index -> features (with embed)
 
     def _aged(self, c: list[float]) -> tuple[float, float]:
         """(successes, trials) of one prompt, discounted by the steps since its last visit."""
@@ -214,13 +223,48 @@ class SuccessPredictor:
         var = min(max(p2 - m * m, 1e-4), m * (1 - m) * (1 - 1e-3))
         return m, max(m * (1 - m) / var - 1, 1e-3)
 
-    def prompts(self, pool_ids: list[int]) -> tuple[Tensor, Tensor]:
-        """Posterior (mean [M], strength [M]) of each prompt's success probability."""
+    def prompts(self, pool_ids: list[int], texts: list[str] | None = None) -> tuple[Tensor, Tensor]:
+        """Posterior (mean [M], strength [M]) of each prompt's success probability (``texts``: for ``embed``)."""
         m, s0 = self.prior()
+        if self.embed is not None and texts is not None:
+            new = [(i, t) for i, t in zip(pool_ids, texts) if i not in self.features]
+            if new:
+                self.features.update(zip([i for i, _ in new], self.embed([t for _, t in new]).double()))
+            shared = self._shared_prior(pool_ids)
+            if shared is not None:
+                m, s0 = shared
         seen = torch.tensor([self._aged(self.counts.get(i, [0.0, 0.0])) for i in pool_ids],
                             dtype=torch.float64).reshape(-1, 2)
         k, n = seen[:, 0], seen[:, 1]
         return (m * s0 + k) / (s0 + n), s0 + n
+
+    def _shared_prior(self, pool_ids: list[int]) -> tuple[Tensor, float] | None:
+        """(m(x) [M], s0) from a ridge regression on the features of the prompts seen so far, or None (too few)."""
+        fit = [i for i in self.counts if i in self.features]
+        aged = torch.tensor([self._aged(self.counts[i]) for i in fit], dtype=torch.float64).reshape(-1, 2)
+        k, n = aged[:, 0], aged[:, 1]
+        if int((n >= 2 - 1e-9).sum()) < max(self.min_prompts, 16):
+            return None
+        x = torch.stack([self.features[i] for i in fit])
+        mu, sd = x.mean(0), x.std(0).clamp_min(1e-6)
+        design = torch.cat([(x - mu) / sd, torch.ones(len(fit), 1, dtype=torch.float64)], 1)
+        y = torch.logit((k + 0.5) / (n + 1))
+        w = n / (n + 2)  # more trials, more trust
+        gram = design.T @ (w[:, None] * design) + self.ridge * torch.eye(design.shape[1], dtype=torch.float64)
+        gram[-1, -1] -= self.ridge  # the intercept is not shrunk
+        coef = torch.linalg.solve(gram, design.T @ (w * y))
+
+        def mean_of(feats: Tensor) -> Tensor:
+            z = torch.cat([(feats - mu) / sd, torch.ones(len(feats), 1, dtype=torch.float64)], 1) @ coef
+            return torch.sigmoid(z.clamp(-6, 6))
+
+        m_fit = mean_of(x)
+        two = n >= 2 - 1e-9
+        kk, nn, mm = k[two], n[two], m_fit[two]
+        resid = float(((kk * (kk - 1)).clamp_min(0) / (nn * (nn - 1)) - 2 * mm * kk / nn + mm * mm).mean())
+        spread = float((mm * (1 - mm)).mean())
+        s0 = min(max(spread / min(max(resid, 1e-4), spread * (1 - 1e-3)) - 1, 1e-3), 1e3)
+        return mean_of(torch.stack([self.features[i] for i in pool_ids])), s0
 
     def record(self, pool_id: int, scores: list[float]) -> None:
         k, n = self._aged(self.counts.get(pool_id, [0.0, 0.0]))
@@ -274,9 +318,10 @@ class TreeSampler:
 
     def __init__(self, runner: EpisodeRunner, counts: MutableMapping[int, list[float]], *, root_frac: float = 0.5,
                  candidate_factor: float = 2.0, prune: float = 0.05, prior_strength: float = 2.0,
-                 objective: str = "rollouts", half_life: float = 0.0, max_group: int = 0):
+                 objective: str = "rollouts", half_life: float = 0.0, max_group: int = 0,
+                 embed: Callable[[list[str]], Tensor] | None = None):
         self.runner = runner
-        self.predictor = SuccessPredictor(counts, prior_strength, half_life)
+        self.predictor = SuccessPredictor(counts, prior_strength, half_life, embed=embed)
         self.root_frac, self.candidate_factor, self.prune = root_frac, candidate_factor, prune
         self.prior_strength, self.objective = prior_strength, objective
         self.max_group = max_group  # largest root group after extension (0: twice the group size)
@@ -291,7 +336,7 @@ class TreeSampler:
         self.predictor.now = step
         # 1. roots: probe the candidate prompts whose posterior promises mixed groups -------------------
         drawn = draw_prompts(max(num_groups, math.ceil(self.candidate_factor * num_groups)))
-        p_root, s_root = self.predictor.prompts([i for i, _ in drawn])
+        p_root, s_root = self.predictor.prompts([i for i, _ in drawn], [p.text for _, p in drawn])
         root_budget = max(2, round(self.root_frac * budget))
         alloc = allocate_rollouts(self._pruned(p_root), root_budget, n_min=2, n_max=G, objective=self.objective,
                                   strength=s_root)
