@@ -219,7 +219,7 @@ class SuccessPredictor:
         if int(two.sum()) < self.min_prompts or not 0 < m < 1:
             return m, self.prior_strength
         kk, nn = k[two], n[two]
-        p2 = float(((kk * (kk - 1)).clamp_min(0) / (nn * (nn - 1))).mean())  # unbiased E[p^2] per prompt
+        p2 = float(_unbiased_p2(kk, nn).mean())
         var = min(max(p2 - m * m, 1e-4), m * (1 - m) * (1 - 1e-3))
         return m, max(m * (1 - m) / var - 1, 1e-3)
 
@@ -261,7 +261,7 @@ class SuccessPredictor:
         m_fit = mean_of(x)
         two = n >= 2 - 1e-9
         kk, nn, mm = k[two], n[two], m_fit[two]
-        resid = float(((kk * (kk - 1)).clamp_min(0) / (nn * (nn - 1)) - 2 * mm * kk / nn + mm * mm).mean())
+        resid = float((_unbiased_p2(kk, nn) - 2 * mm * kk / nn + mm * mm).mean())  # E[(p - m(x))^2]
         spread = float((mm * (1 - mm)).mean())
         s0 = min(max(spread / min(max(resid, 1e-4), spread * (1 - 1e-3)) - 1, 1e-3), 1e3)
         return mean_of(torch.stack([self.features[i] for i in pool_ids])), s0
@@ -269,6 +269,11 @@ class SuccessPredictor:
     def record(self, pool_id: int, scores: list[float]) -> None:
         k, n = self._aged(self.counts.get(pool_id, [0.0, 0.0]))
         self.counts[pool_id] = [k + sum(min(1.0, max(0.0, s)) for s in scores), n + len(scores), float(self.now)]
+
+
+def _unbiased_p2(k: Tensor, n: Tensor) -> Tensor:
+    """Per prompt, k (k - 1) / (n (n - 1)): unbiased for p^2 when k ~ Binomial(n, p) (n >= 2)."""
+    return (k * (k - 1)).clamp_min(0) / (n * (n - 1))
 
 
 def prefix_estimate(successes: float, trials: int, group_rate: float, prior_strength: float = 2.0) -> float:
