@@ -6,10 +6,12 @@
     .venv/bin/python benchmarks/rollout_utilization.py runs/tree-vs-uniform
 
 For every run: mean ``rollout/utilization`` (share of completions in groups whose rewards differ),
-mean ``rollout/useful_groups_per_token``, rollouts generated, held-out accuracy before/after and, where the run
-logged them, the final ``eval/retained`` / ``eval/gained`` (held-out prompts the starting model solved that are
-still solved / the others now solved: a sampler that learns faster but forgets more shows here); then the
-mean per variant and the utilization ratio of each variant to "uniform" (else the first).
+mean ``rollout/useful_groups_per_token``, distinct prompts with mixed outcomes per step (``rollout/groups`` x
+``rollout/mixed_group_frac``: held-out gain follows this more than utilization), rollouts generated,
+held-out accuracy before/after and, where the run logged them, the final ``eval/retained`` / ``eval/gained``
+(held-out prompts the starting model solved that are still solved / the others now solved: a sampler that
+learns faster but forgets more shows here); then the mean per variant and the utilization ratio of each
+variant to "uniform" (else the first).
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ def main(out: str) -> None:
             summary = json.loads((sdir / "summary.json").read_text())
             run = {"utilization": statistics.mean(r["rollout/utilization"] for r in steps),
                    "useful_groups_per_token": statistics.mean(r["rollout/useful_groups_per_token"] for r in steps),
+                   "mixed_prompts_per_step": statistics.mean(r["rollout/groups"] * r["rollout/mixed_group_frac"]
+                                                             for r in steps),
                    "rollouts": sum(r["rollout/generated"] for r in steps),
                    "eval_before": summary["eval_before"], "eval_after": summary["eval_after"]}
             final = [r for r in rows if "eval/retained" in r]
