@@ -59,7 +59,7 @@ class TrainState:
     eval_before: float | None = None
     solved_before: list[bool] | None = None  # held-out prompts the starting model solved (eval/retained, eval/gained)
     last_samples: list | None = None  # a few (prompt, completion, reward) of the latest batch, for samples.jsonl
-    pass_counts: dict[int, list[float]] | None = None  # tree sampler: pool index -> [successes, trials]
+    pass_counts: dict[int, list[float]] | None = None  # tree sampler: pool index -> [successes, trials, step]
 
 
 @dataclass

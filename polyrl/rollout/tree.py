@@ -225,14 +225,13 @@ class SuccessPredictor:
 
     def prompts(self, pool_ids: list[int], texts: list[str] | None = None) -> tuple[Tensor, Tensor]:
         """Posterior (mean [M], strength [M]) of each prompt's success probability (``texts``: for ``embed``)."""
-        m, s0 = self.prior()
+        shared = None
         if self.embed is not None and texts is not None:
             new = [(i, t) for i, t in zip(pool_ids, texts) if i not in self.features]
             if new:
                 self.features.update(zip([i for i, _ in new], self.embed([t for _, t in new]).double()))
             shared = self._shared_prior(pool_ids)
-            if shared is not None:
-                m, s0 = shared
+        m, s0 = shared if shared is not None else self.prior()
         seen = torch.tensor([self._aged(self.counts.get(i, [0.0, 0.0])) for i in pool_ids],
                             dtype=torch.float64).reshape(-1, 2)
         k, n = seen[:, 0], seen[:, 1]
@@ -335,8 +334,8 @@ class TreeSampler:
         return torch.where((p < self.prune) | (p > 1 - self.prune), torch.zeros_like(p), p)
 
     def collect(self, task: Task, method: Method, draw_prompts: Callable[[int], list[tuple[int, Prompt]]], *,
-                num_groups: int, params: SamplingParams, history: MutableMapping[int, float], step: int = 0,
-                ) -> RolloutBatch:
+                num_groups: int, params: SamplingParams, history: MutableMapping[int, float],
+                step: int = 0) -> RolloutBatch:
         G, budget = params.n, num_groups * params.n
         self.predictor.now = step
         # 1. roots: probe the candidate prompts whose posterior promises mixed groups -------------------
