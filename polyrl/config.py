@@ -97,6 +97,10 @@ class TrainConfig:
     tree_probe: Literal["groups", "rollouts"] = "rollouts"
     """tree sampler: what the probe allocation maximises: expected mixed groups (spreads probes of two over more
     prompts) or expected rollouts in mixed groups (fewer, fuller groups)"""
+    tree_roots: Literal["dp", "sample"] = "dp"
+    """tree sampler: how prompts are chosen for probing: dp (the exact allocation, the most expected mixed groups)
+    or sample (drawn in proportion to their chance of a mixed group, with importance weights that keep the expected
+    gradient that of prompts drawn uniformly)"""
     agency: str | None = None
     """agency transfer: local model directory of a frozen baseline policy that acts first"""
     agency_schedule: str = "linear:steps=50"
@@ -261,8 +265,10 @@ def validate(cfg: TrainConfig) -> None:
     default = TrainConfig()
     _rule("tree_max_group", cfg.tree_max_group, cfg.tree_max_group == 0 or cfg.tree_max_group >= cfg.group_size,
           f"must be 0 (twice the group size) or >= group_size = {cfg.group_size}")
+    _rule("tree_probe", cfg.tree_probe, cfg.tree_roots == "dp" or cfg.tree_probe == default.tree_probe,
+          "only applies with tree_roots = 'dp' (sampled roots are groups of group_size)")
     for name in ("tree_root_frac", "tree_candidates", "tree_prune", "tree_half_life", "tree_max_group", "tree_probe",
-                 "tree_predictor"):
+                 "tree_predictor", "tree_roots"):
         _rule(name, getattr(cfg, name), cfg.sampler == "tree" or getattr(cfg, name) == getattr(default, name),
               "only applies with sampler = 'tree' (add --sampler tree)")
     for name in ("agency_schedule", "agency_mode"):

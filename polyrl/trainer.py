@@ -195,7 +195,7 @@ def train(cfg: TrainConfig, method: Method, *, model_dir: str, task: Task, run_d
     if cfg.sampler == "tree":
         from polyrl.learner import prompt_embedder
 
-        parts.tree = TreeSampler(runner, state.pass_counts, root_frac=cfg.tree_root_frac,
+        parts.tree = TreeSampler(runner, state.pass_counts, root_frac=cfg.tree_root_frac, roots=cfg.tree_roots,
                                  candidate_factor=cfg.tree_candidates, prune=cfg.tree_prune,
                                  half_life=cfg.tree_half_life, max_group=cfg.tree_max_group, objective=cfg.tree_probe,
                                  embed=prompt_embedder(policy, tokenizer) if cfg.tree_predictor == "shared" else None)
@@ -352,7 +352,8 @@ def rl_step(cfg: TrainConfig, method: Method, state: TrainState, parts: Componen
     # 4. update: epochs x minibatches x micro-batches (polyrl.update) --------------------------------
     t_score = time.perf_counter()
     scored = Scored(tb=tb, mask=mask, adv=adv, group_ids=batch.group_ids, segment_ids=seg_ids, old_logp=old_logp,
-                    old_topk=None if old is None else old.topk_logp, ref_logp=ref_logp, values=values, returns=returns)
+                    old_topk=None if old is None else old.topk_logp, ref_logp=ref_logp, values=values, returns=returns,
+                    weight=None if batch.tree is None else batch.tree.weight)
     metrics = update_policy(learner, method, scored, state, epochs=cfg.epochs_per_batch, minibatches=cfg.minibatches,
                             micro_batch_size=cfg.micro_batch_size, horizon=cfg.max_new_tokens, topk=topk,
                             reuse_old=reuse_old, seed=cfg.seed * 7919 + state.step, max_bad_steps=cfg.max_bad_steps,

@@ -80,6 +80,7 @@ class LossInputs:
     topk_logp: Tensor | None = None  # [B, T, K] log pi_theta at topk_ids (with grad)
     old_topk_logp: Tensor | None = None  # [B, T, K] log pi_old at topk_ids
     rollout_topk_logp: Tensor | None = None  # [B, T, K] log mu at topk_ids
+    sample_weight: Tensor | None = None  # [B] weight of each sequence's whole loss, KL included (importance weights)
 
     def __post_init__(self) -> None:
         if self.rollout_logp is None:

@@ -96,6 +96,8 @@ def test_bad_rollout_settings_are_one_line_errors(models, tmp_path, capsys):
              (["--async-staleness", "1", "--sampler", "tree"], "async_staleness = 1"),
              (["--tree-candidates", "4"], "tree_candidates = 4.0 is not allowed; only applies with sampler = 'tree'"),
              (["--sampler", "tree", "--tree-max-group", "3"], "tree_max_group = 3 is not allowed; must be 0"),
+             (["--sampler", "tree", "--tree-roots", "sample", "--tree-probe", "groups"],
+              "tree_probe = 'groups' is not allowed; only applies with tree_roots = 'dp'"),
              (["--agency-mode", "sequence"], "agency_mode = 'sequence' is not allowed; only applies with agency")]
     for flags, message in cases:
         assert main([*base, *flags]) == 2

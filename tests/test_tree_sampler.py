@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from polyrl.methods import get_method
+from polyrl.objectives.objective import policy_loss
 from polyrl.registry import ADVANTAGES
 from polyrl.rollout.collect import TreeInfo
 from polyrl.rollout.episodes import Episode, EpisodeRunner
@@ -21,12 +22,15 @@ from polyrl.rollout.tree import (
     allocate_rollouts,
     branch_points,
     expected_useful,
+    inclusion_probabilities,
     p_mixed,
     prefix_estimate,
+    systematic_sample,
     tree_advantages,
 )
 from polyrl.tasks.base import Prompt
 from polyrl.tinylm import build_char_tokenizer
+from polyrl.types import LossInputs, Normalizer
 
 
 @pytest.mark.parametrize("posterior", [False, True])
@@ -174,6 +178,52 @@ def test_tree_advantages_by_hand():
     assert adv[3, :2].tolist() == pytest.approx([0.0, 0.0])  # a continuation has no root advantage
 
 
+def test_sample_weights_scale_each_sequences_whole_loss_kl_included():
+    g = torch.Generator().manual_seed(0)
+    B, T = 4, 5
+    logp = (-torch.rand(B, T, generator=g)).requires_grad_()
+    old = logp.detach() + 0.1 * torch.randn(B, T, generator=g)
+    mask = torch.ones(B, T)
+    mask[1, 3:] = 0
+    base = dict(logp=logp, old_logp=old, adv=torch.randn(B, generator=g), mask=mask,
+                normalizer=Normalizer.from_batch(mask, torch.tensor([0, 0, 1, 1]), horizon=T),
+                ref_logp=old - 0.2 * torch.rand(B, T, generator=g), group_ids=torch.tensor([0, 0, 1, 1]))
+    w = torch.tensor([2.0, 0.5, 1.0, 0.0])
+    grpo = get_method("grpo")  # clipped surrogate plus a k3 KL term in the loss
+    plain = policy_loss(LossInputs(**base), grpo)
+    weighted = policy_loss(LossInputs(**base, sample_weight=w), grpo)
+    torch.testing.assert_close(weighted.per_token_loss, plain.per_token_loss * w[:, None])
+    (grad,) = torch.autograd.grad(weighted.loss, logp)
+    assert bool((grad[3] == 0).all()) and bool((grad[0] != 0).any())  # weight 0: the sequence, KL and all, is out
+
+
+def test_inclusion_probabilities_by_hand():
+    # proportional to the weights and summing to k ...
+    assert inclusion_probabilities(torch.tensor([1.0, 1.0, 2.0, 0.0]), 2).tolist() == pytest.approx([.5, .5, 1, 0])
+    # ... an item whose share would pass 1 is drawn for sure, and the others share the rest: 9 of 12 with k = 2
+    # would be 1.5, so it is 1 and the other three get 1/3 each
+    assert inclusion_probabilities(torch.tensor([9.0, 1.0, 1.0, 1.0]), 2).tolist() == pytest.approx([1, 1 / 3, 1 / 3,
+                                                                                                    1 / 3])
+    assert inclusion_probabilities(torch.tensor([1.0, 0.0, 3.0]), 5).tolist() == [1.0, 0.0, 1.0]  # only two can go
+
+
+def test_systematic_sampling_draws_each_item_with_its_inclusion_probability():
+    pi = inclusion_probabilities(torch.tensor([0.05, 0.3, 0.9, 0.2, 0.6, 0.05, 0.4]), 3)
+    x = torch.tensor([3.0, -1.0, 2.0, 5.0, 0.5, 7.0, -2.0])  # any per-item quantity (a prompt's gradient)
+    grid = [(j + 0.5) / 20000 for j in range(20000)]  # the offset u is uniform: average over a fine grid of it
+    hits, estimate = torch.zeros(len(pi), dtype=torch.float64), 0.0
+    for u in grid:
+        drawn = systematic_sample(pi, u)
+        assert len(drawn) == len(set(drawn)) == 3
+        hits[drawn] += 1
+        estimate += float((x[drawn] / pi[drawn]).sum())
+    assert (hits / len(grid)).tolist() == pytest.approx(pi.tolist(), abs=1e-3)
+    # weighting a drawn item by 1 / pi makes the sum over the draw unbiased for the sum over all items
+    assert estimate / len(grid) == pytest.approx(float(x.sum()), abs=1e-2)
+    with pytest.raises(ValueError, match="u = 1.0"):
+        systematic_sample(pi, 1.0)
+
+
 class ScriptedGenerator:
     """Emits '1' or '2' then EOS; a prompt's chance of '1' (the right answer) is set per prompt text."""
 
@@ -299,3 +349,32 @@ def test_prompt_features_do_not_depend_on_batch_padding(tmp_path):
     assert both.shape == (2, 32)
     assert torch.allclose(embed(["12+34="])[0], both[0], atol=1e-5)
     assert not torch.allclose(both[0], both[1], atol=1e-3)
+
+
+def test_sampled_roots_weigh_each_prompt_by_its_inverse_inclusion_probability():
+    tok = build_char_tokenizer()
+    prompts = [Prompt(f"p{k}", f"{k}=", "11") for k in range(8)]
+    p_right = {f"{k}=": [0.5, 0.5, 1.0, 1.0, 0.0, 0.0, 0.3, 0.9][k] for k in range(8)}
+    counts = {0: [2.0, 4.0], 1: [2.0, 4.0], 2: [8.0, 8.0], 3: [8.0, 8.0], 4: [0.0, 8.0], 5: [0.0, 8.0]}
+    runner = EpisodeRunner(ScriptedGenerator(tok, p_right), tok, TwoCharTask())
+    ids = list(range(8))
+    mean, strength = SuccessPredictor({k: list(v) for k, v in counts.items()}).prompts(ids)
+    pi = inclusion_probabilities(p_mixed(mean, torch.full((8,), 4.0), strength).clamp_min(0.05), 2)
+    assert 0 < float(pi.min()) < float(pi.max()) < 1  # decided prompts keep a small chance
+    seen = set()
+    for seed in range(12):
+        sampler = TreeSampler(runner, {k: list(v) for k, v in counts.items()}, root_frac=0.5, candidate_factor=1.0,
+                              roots="sample")
+        batch = sampler.collect(TwoCharTask(), get_method("grpo"), lambda k: [(i, prompts[i]) for i in range(k)],
+                                num_groups=8, params=SamplingParams(n=4, max_new_tokens=4, seed=seed), history={})
+        roots = batch.group_ids[batch.tree.is_root]
+        drawn = roots.unique().tolist()
+        assert len(drawn) == 4 and all(int((roots == k).sum()) >= 4 for k in drawn)  # groups of G, only drawn ones
+        assert set(batch.group_ids.tolist()) == set(drawn)  # the extension starts no undrawn prompt
+        w = batch.tree.weight
+        assert float(w.mean()) == pytest.approx(1.0)
+        # a prompt's samples together weigh 1 / pi: weight x samples x pi is the same for every drawn prompt
+        per_prompt = [float(w[batch.group_ids == k].sum()) * float(pi[k]) for k in drawn]
+        assert per_prompt == pytest.approx([per_prompt[0]] * len(drawn))
+        seen |= set(drawn)
+    assert seen & {2, 3, 4, 5}  # decided-looking prompts are still drawn now and then

@@ -229,6 +229,8 @@ def policy_loss(inp: LossInputs, method: Method) -> LossOutput:
         kl = _call(KL, method.kl, inp.logp, inp.ref_logp, inp.old_logp)
         per_token = per_token + method.kl_coef * kl
         metrics["objective/kl"] = masked_mean(kl, inp.mask)
+    if inp.sample_weight is not None:  # an importance-weighted batch (tree sampler, sampled roots)
+        per_token = per_token * inp.sample_weight.to(per_token.dtype)[:, None]
 
     loss = _call(AGGREGATIONS, method.aggregation, per_token, inp.mask, inp.normalizer, inp.group_tokens)
     with torch.no_grad():

@@ -37,6 +37,7 @@ class TreeInfo:
     sibling_ids: Tensor  # [B] long: sibling group of its deepest branching anchor, -1 if none
     branch_at: Tensor  # [B] long: completion index where the sibling part starts (0 if none)
     is_root: Tensor  # [B] bool: sampled from the prompt (False: a continuation of a prefix)
+    weight: Tensor | None = None  # [B] float: importance weight of the sample's loss (sampled roots), mean 1
 
 
 @dataclass

@@ -32,6 +32,15 @@ stages, as the paper describes (roots, then expansions):
    could become useful through both its root and a sibling group is counted in both: the DP's value
    is an upper bound there.) Both stages together never exceed B.
 
+Sampled roots (``roots="sample"``, also ours): stage 1 draws groups of G at random instead, prompt m with
+inclusion probability pi_m proportional to max(P_mix(p_m, G), floor) (``inclusion_probabilities``, exact by
+systematic sampling), and stage 2 extends only the drawn prompts. The loss of every sample of prompt m, KL
+term included, then weighs 1 / (pi_m n_m) (n_m: the prompt's samples in the batch; ``TreeInfo.weight``,
+scaled to mean 1 over the batch), so the expected loss is that of prompts drawn uniformly: the importance
+correction of prioritized replay, self-normalized (a small bias for less variance). The DP's choice pulls
+the policy toward the prompts it prefers and away from the ones it stops drawing (on a small pool it
+forgets them); the weights undo that, and the preference only changes the variance.
+
 Tree advantages: a leaf is compared with the sibling group of its deepest branching anchor (the
 method's group estimator on sibling groups); tokens after the branch point use that advantage, the
 shared prefix uses the root-group advantage. Continuations train only on their own tokens (their copy
@@ -42,6 +51,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import random
 from collections.abc import Callable, MutableMapping
 
 import torch
@@ -149,6 +159,40 @@ def allocate_by_gain(gain: Tensor, budget: int) -> Tensor:
         out.append(take[m][left])
         left -= out[-1]
     return torch.tensor(out, dtype=torch.long)
+
+
+def inclusion_probabilities(weights: Tensor, k: int) -> Tensor:
+    """Inclusion probabilities [M] proportional to ``weights`` that sum to ``k``, none above 1.
+
+    An item whose share would exceed 1 is included for sure and the rest share what is left (the
+    standard capping of sampling proportional to size). Items of weight 0 are never included.
+    """
+    w = weights.detach().to(torch.float64).cpu().clamp_min(0)
+    k = min(k, int((w > 0).sum()))
+    pi, sure = torch.zeros_like(w), torch.zeros_like(w, dtype=torch.bool)
+    while k > 0:
+        free = ~sure & (w > 0)
+        pi[free] = (k - int(sure.sum())) * w[free] / w[free].sum()
+        over = free & (pi >= 1)
+        if not over.any():
+            break
+        sure |= over
+        pi[over] = 1.0
+    return pi
+
+
+def systematic_sample(pi: Tensor, u: float) -> list[int]:
+    """Indices drawn by systematic sampling at offset ``u`` in [0, 1): item i is drawn with probability exactly pi_i.
+
+    The points u, u + 1, ... fall on the cumulative sum of ``pi`` (which must sum to an integer k, each pi_i <= 1), so
+    exactly k distinct items are drawn, in order, and averaging over u gives each one its pi_i.
+    """
+    if not 0 <= u < 1:
+        raise ValueError(f"u = {u} must be in [0, 1)")
+    edges = torch.cumsum(pi.detach().to(torch.float64).cpu(), 0)
+    k = round(float(edges[-1])) if len(edges) else 0
+    points = torch.arange(k, dtype=torch.float64) + u
+    return torch.searchsorted(edges, points, right=True).clamp_max(len(edges) - 1).tolist() if k else []
 
 
 def expected_useful(p: Tensor, strength: Tensor, n: Tensor, successes: Tensor, failures: Tensor,
@@ -323,8 +367,11 @@ class TreeSampler:
     def __init__(self, runner: EpisodeRunner, counts: MutableMapping[int, list[float]], *, root_frac: float = 0.5,
                  candidate_factor: float = 2.0, prune: float = 0.05, prior_strength: float = 2.0,
                  objective: str = "rollouts", half_life: float = 0.0, max_group: int = 0,
-                 embed: Callable[[list[str]], Tensor] | None = None):
+                 embed: Callable[[list[str]], Tensor] | None = None, roots: str = "dp", floor: float = 0.05):
+        if roots not in ("dp", "sample"):
+            raise ValueError(f"roots = {roots!r} is not allowed; use 'dp' or 'sample'")
         self.runner = runner
+        self.roots, self.floor = roots, floor  # how roots are chosen; sample: least draw weight (unbiasedness)
         self.predictor = SuccessPredictor(counts, prior_strength, half_life, embed=embed)
         self.root_frac, self.candidate_factor, self.prune = root_frac, candidate_factor, prune
         self.prior_strength, self.objective = prior_strength, objective
@@ -342,8 +389,16 @@ class TreeSampler:
         drawn = draw_prompts(max(num_groups, math.ceil(self.candidate_factor * num_groups)))
         p_root, s_root = self.predictor.prompts([i for i, _ in drawn], [p.text for _, p in drawn])
         root_budget = max(2, round(self.root_frac * budget))
-        alloc = allocate_rollouts(self._pruned(p_root), root_budget, n_min=2, n_max=G, objective=self.objective,
-                                  strength=s_root)
+        inclusion = None
+        if self.roots == "sample":  # draw groups of G in proportion to P_mix; weights undo the preference
+            inclusion = inclusion_probabilities(p_mixed(p_root, torch.full_like(p_root, G), s_root)
+                                                .clamp_min(self.floor), max(1, root_budget // G))
+            u = (random.Random(params.seed).random() if params.seed is not None else random.random())
+            alloc = torch.zeros(len(drawn), dtype=torch.long)
+            alloc[systematic_sample(inclusion, u)] = G
+        else:
+            alloc = allocate_rollouts(self._pruned(p_root), root_budget, n_min=2, n_max=G, objective=self.objective,
+                                      strength=s_root)
         if int(alloc.sum()) == 0:  # every candidate predicted decided: probe the least decided ones
             order = (p_root - 0.5).abs().argsort()
             alloc[order[: max(1, root_budget // G)]] = min(G, root_budget)
@@ -386,6 +441,8 @@ class TreeSampler:
                                (size - succ)[:, None], idle[:, None])
         gain[n[None, :] > cap[:, None]] = -math.inf
         gain[(size == 0)[:, None] & (n[None, :] == 1)] = -math.inf  # a new group needs two rollouts
+        if inclusion is not None:  # sampled roots: a prompt not drawn stays out (its weight assumes the draw)
+            gain[torch.cat([size[: len(drawn)] == 0, torch.zeros(len(keys), dtype=torch.bool)]), 1:] = -math.inf
         gain[torch.cat([torch.zeros(len(drawn), dtype=torch.bool), p_anchor == 0]), 1:] = -math.inf
         extra = allocate_by_gain(gain, max(0, budget - len(roots)))
         chosen = [(key, int(m)) for key, m in zip(keys, extra[len(drawn):].tolist()) if m > 0]
@@ -415,7 +472,8 @@ class TreeSampler:
             history[drawn[k][0]] = max(history.get(drawn[k][0], 0.0), sum(got) / len(got))
         pruned = int((p_anchor == 0).sum())
         return self._batch(method, params, drawn, roots, root_of, root_scores, sibling_of, conts, cont_anchor,
-                           cont_scores, chosen, n_candidates=len(drawn), pruned=pruned, extended=len(more))
+                           cont_scores, chosen, n_candidates=len(drawn), pruned=pruned, extended=len(more),
+                           inclusion=inclusion)
 
     def _play(self, task: Task, episodes: list[Episode], params: SamplingParams) -> list[float]:
         """Run the episodes to their end; their task scores."""
@@ -428,7 +486,7 @@ class TreeSampler:
         return self.runner.tokenizer.batch_decode([e.token_ids for e in episodes], skip_special_tokens=True)
 
     def _batch(self, method, params, drawn, roots, root_of, root_scores, sibling_of, conts, cont_anchor, cont_scores,
-               chosen, *, n_candidates: int, pruned: int, extended: int) -> RolloutBatch:
+               chosen, *, n_candidates: int, pruned: int, extended: int, inclusion: Tensor | None) -> RolloutBatch:
         episodes = roots + conts
         if not episodes:
             raise NoUsableGroups("the tree sampler allocated no rollouts", {"rollout/generated": 0.0,
@@ -455,6 +513,12 @@ class TreeSampler:
         mixed_roots = sum(_mixed([root_scores[j] for j in range(len(roots)) if root_of[j] == k]) for k in root_groups)
         mixed_sibs = sum(_mixed(scores[sibling == a].tolist()) for a in range(len(chosen)))
         tokens = int(lengths.sum())
+        weight = None
+        if inclusion is not None:  # sampled roots: each prompt weighs 1 / (its inclusion probability), spread over
+            per = torch.tensor(index)  # its samples, so the expected gradient is that of prompts drawn uniformly
+            n_of = torch.bincount(per, minlength=len(drawn)).to(torch.float64)
+            weight = (1.0 / (inclusion[per] * n_of[per])).to(torch.float32)
+            weight = weight / weight.mean()
         stats = {
             "rollout/gen_rounds": 1.0, "rollout/generated": float(len(episodes)),
             "rollout/groups": float(len(root_groups)),
@@ -470,7 +534,7 @@ class TreeSampler:
                             rewards=rewards, keep=torch.ones(len(episodes), dtype=torch.bool), truncated=truncated,
                             lengths=lengths, stats=stats,
                             tree=TreeInfo(root_ids=pool_ids, sibling_ids=sibling, branch_at=branch_at,
-                                          is_root=torch.arange(len(episodes)) < len(roots)))
+                                          is_root=torch.arange(len(episodes)) < len(roots), weight=weight))
 
 
 def _reseeded(params: SamplingParams, salt: int) -> SamplingParams:
