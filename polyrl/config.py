@@ -99,8 +99,8 @@ class TrainConfig:
     prompts) or expected rollouts in mixed groups (fewer, fuller groups)"""
     tree_roots: Literal["dp", "sample"] = "dp"
     """tree sampler: how prompts are chosen for probing: dp (the exact allocation, the most expected mixed groups)
-    or sample (drawn in proportion to their chance of a mixed group, with importance weights that keep the expected
-    gradient that of prompts drawn uniformly)"""
+    or sample (drawn in proportion to their chance of a mixed group, with importance weights on the loss, KL
+    included, that keep its expectation that of prompts drawn uniformly)"""
     agency: str | None = None
     """agency transfer: local model directory of a frozen baseline policy that acts first"""
     agency_schedule: str = "linear:steps=50"

@@ -353,7 +353,7 @@ def rl_step(cfg: TrainConfig, method: Method, state: TrainState, parts: Componen
     t_score = time.perf_counter()
     scored = Scored(tb=tb, mask=mask, adv=adv, group_ids=batch.group_ids, segment_ids=seg_ids, old_logp=old_logp,
                     old_topk=None if old is None else old.topk_logp, ref_logp=ref_logp, values=values, returns=returns,
-                    weight=None if batch.tree is None else batch.tree.weight)
+                    sample_weight=None if batch.tree is None else batch.tree.weight)
     metrics = update_policy(learner, method, scored, state, epochs=cfg.epochs_per_batch, minibatches=cfg.minibatches,
                             micro_batch_size=cfg.micro_batch_size, horizon=cfg.max_new_tokens, topk=topk,
                             reuse_old=reuse_old, seed=cfg.seed * 7919 + state.step, max_bad_steps=cfg.max_bad_steps,

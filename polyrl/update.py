@@ -35,7 +35,7 @@ class Scored:
     ref_logp: Tensor | None
     values: Tensor | None = None  # critic values at the rollout weights (GAE presets)
     returns: Tensor | None = None
-    weight: Tensor | None = None  # [B] importance weight of each sequence's loss (None: all 1)
+    sample_weight: Tensor | None = None  # [B] importance weight of each sequence's loss (None: all 1)
 
 
 class UpdateCounters(Protocol):
@@ -83,7 +83,7 @@ def update_policy(learner: LocalLearner, method: Method, s: Scored, counters: Up
                     entropy=cur.entropy.detach(), group_ids=s.group_ids[rows], group_tokens=group_tokens[micro],
                     segment_ids=s.segment_ids[rows], turn_ids=tb.turn_ids[rows], topk_ids=cur.topk_ids,
                     topk_logp=cur.topk_logp, old_topk_logp=old_topk, rollout_topk_logp=old_topk,
-                    sample_weight=None if s.weight is None else s.weight[rows],
+                    sample_weight=None if s.sample_weight is None else s.sample_weight[rows],
                 )
                 out = policy_loss(inputs, method)
                 if not torch.isfinite(out.loss):

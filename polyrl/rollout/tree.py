@@ -371,7 +371,8 @@ class TreeSampler:
         if roots not in ("dp", "sample"):
             raise ValueError(f"roots = {roots!r} is not allowed; use 'dp' or 'sample'")
         self.runner = runner
-        self.roots, self.floor = roots, floor  # how roots are chosen; sample: least draw weight (unbiasedness)
+        self.roots = roots  # how probed prompts are chosen: the DP's best, or drawn with importance weights
+        self.floor = floor  # sampled roots: least draw weight, > 0 so that every prompt can be drawn (unbiasedness)
         self.predictor = SuccessPredictor(counts, prior_strength, half_life, embed=embed)
         self.root_frac, self.candidate_factor, self.prune = root_frac, candidate_factor, prune
         self.prior_strength, self.objective = prior_strength, objective
@@ -515,7 +516,7 @@ class TreeSampler:
         tokens = int(lengths.sum())
         weight = None
         if inclusion is not None:  # sampled roots: each prompt weighs 1 / (its inclusion probability), spread over
-            per = torch.tensor(index)  # its samples, so the expected gradient is that of prompts drawn uniformly
+            per = torch.tensor(index)  # its samples, so the expected loss is that of prompts drawn uniformly
             n_of = torch.bincount(per, minlength=len(drawn)).to(torch.float64)
             weight = (1.0 / (inclusion[per] * n_of[per])).to(torch.float32)
             weight = weight / weight.mean()
