@@ -372,7 +372,7 @@ def test_sampled_roots_weigh_each_prompt_by_its_inverse_inclusion_probability():
         assert len(drawn) == 4 and all(int((roots == k).sum()) >= 4 for k in drawn)  # groups of G, only drawn ones
         assert set(batch.group_ids.tolist()) == set(drawn)  # the extension starts no undrawn prompt
         w = batch.tree.weight
-        assert float(w.mean()) == pytest.approx(1.0)
+        assert float(w.mean()) == pytest.approx(1.0) and batch.stats["tree/weight_max"] == float(w.max())
         # a prompt's samples together weigh 1 / pi: weight x samples x pi is the same for every drawn prompt
         per_prompt = [float(w[batch.group_ids == k].sum()) * float(pi[k]) for k in drawn]
         assert per_prompt == pytest.approx([per_prompt[0]] * len(drawn))

@@ -531,6 +531,8 @@ class TreeSampler:
             "tree/anchors_pruned": float(pruned), "tree/roots_extended": float(extended),
             "tree/mixed_sibling_frac": mixed_sibs / max(1, len(chosen)),
         }
+        if weight is not None:  # how uneven the importance weights are (1: as uniform sampling)
+            stats["tree/weight_max"] = float(weight.max())
         return RolloutBatch(group_ids=pool_ids, prompts=[e.prompt for e in episodes], samples=samples, scores=scores,
                             rewards=rewards, keep=torch.ones(len(episodes), dtype=torch.bool), truncated=truncated,
                             lengths=lengths, stats=stats,
