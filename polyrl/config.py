@@ -86,7 +86,8 @@ class TrainConfig:
     tree_candidates: float = 2.0
     """tree sampler: candidate prompts drawn per group slot (the allocation may skip some)"""
     tree_prune: float = 0.05
-    """tree sampler: anchors predicted to succeed with p < prune or p > 1 - prune get no rollouts"""
+    """tree sampler: anchors predicted to succeed with p < prune or p > 1 - prune get no rollouts (with
+    tree_roots = 'sample' only prefixes are pruned: every prompt keeps a chance to be drawn)"""
     tree_half_life: float = 0.0
     """tree sampler: steps after which a prompt's pass-rate history counts half (0 = it never ages)"""
     tree_max_group: int = 0

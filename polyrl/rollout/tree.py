@@ -394,15 +394,15 @@ class TreeSampler:
         if self.roots == "sample":  # draw groups of G in proportion to P_mix; weights undo the preference
             inclusion = inclusion_probabilities(p_mixed(p_root, torch.full_like(p_root, G), s_root)
                                                 .clamp_min(self.floor), max(1, root_budget // G))
-            u = (random.Random(params.seed).random() if params.seed is not None else random.random())
+            u = random.Random(params.seed).random() if params.seed is not None else random.random()
             alloc = torch.zeros(len(drawn), dtype=torch.long)
-            alloc[systematic_sample(inclusion, u)] = G
+            alloc[systematic_sample(inclusion, u)] = G  # never empty: the floor keeps every weight > 0
         else:
             alloc = allocate_rollouts(self._pruned(p_root), root_budget, n_min=2, n_max=G, objective=self.objective,
                                       strength=s_root)
-        if int(alloc.sum()) == 0:  # every candidate predicted decided: probe the least decided ones
-            order = (p_root - 0.5).abs().argsort()
-            alloc[order[: max(1, root_budget // G)]] = min(G, root_budget)
+            if int(alloc.sum()) == 0:  # every candidate predicted decided: probe the least decided ones
+                order = (p_root - 0.5).abs().argsort()
+                alloc[order[: max(1, root_budget // G)]] = min(G, root_budget)
         roots: list[Episode] = []
         root_of: list[int] = []  # index into drawn
         for k, n in enumerate(alloc.tolist()):
