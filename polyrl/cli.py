@@ -187,6 +187,11 @@ def resolve_train(args: argparse.Namespace):
             task = WithRewardChannels(task, [s.strip() for s in cfg.reward_funcs.split(",")], weights)
     except (ValueError, FileNotFoundError, KeyError) as e:
         raise ConfigError(f"task = {cfg.task!r}: {e}") from None
+    if cfg.tree_predictor == "likelihood" and not getattr(task, "exact_answer", False):
+        raise ConfigError(f"tree_predictor = 'likelihood' is not allowed with task = {cfg.task!r}"
+                          f"{' and reward_funcs' if cfg.reward_funcs else ''}: it needs a reward that is 1 exactly "
+                          "when the completion is the reference answer (addition, addition_mixed); use history or "
+                          "shared")
     if cfg.model is not None:
         from polyrl.model import TOKENIZER_FILES
 

@@ -92,9 +92,10 @@ class TrainConfig:
     """tree sampler: steps after which a prompt's pass-rate history counts half (0 = it never ages)"""
     tree_max_group: int = 0
     """tree sampler: most rollouts of one prompt in a step, probes and extensions together (0 = 2 x group size)"""
-    tree_predictor: Literal["history", "shared"] = "history"
+    tree_predictor: Literal["history", "shared", "likelihood"] = "history"
     """tree sampler: a prompt's success prior from the pool (history) or also from prompts like it (shared: a
-    regression on the policy's features of the prompt, so unseen prompts are predicted too)"""
+    regression on the policy's features of the prompt, so unseen prompts are predicted too); likelihood: the policy's
+    probability of the reference answer, which is the success rate itself on exact-answer tasks (addition)"""
     tree_probe: Literal["groups", "rollouts"] = "rollouts"
     """tree sampler: what the probe allocation maximises: expected mixed groups (spreads probes of two over more
     prompts) or expected rollouts in mixed groups (fewer, fuller groups)"""
@@ -102,6 +103,9 @@ class TrainConfig:
     """tree sampler: how prompts are chosen for probing: dp (the exact allocation, the most expected mixed groups)
     or sample (drawn in proportion to their chance of a mixed group, with importance weights on the loss, KL
     included, that keep its expectation that of prompts drawn uniformly)"""
+    tree_branch: bool = True
+    """tree sampler: continue prefixes of the probes (turn boundaries, or half the completion) as sibling groups;
+    --no-tree-branch spends the extension budget on the probed prompts' root groups only"""
     agency: str | None = None
     """agency transfer: local model directory of a frozen baseline policy that acts first"""
     agency_schedule: str = "linear:steps=50"
@@ -269,7 +273,7 @@ def validate(cfg: TrainConfig) -> None:
     _rule("tree_probe", cfg.tree_probe, cfg.tree_roots == "dp" or cfg.tree_probe == default.tree_probe,
           "only applies with tree_roots = 'dp' (sampled roots are groups of group_size)")
     for name in ("tree_root_frac", "tree_candidates", "tree_prune", "tree_half_life", "tree_max_group", "tree_probe",
-                 "tree_predictor", "tree_roots"):
+                 "tree_predictor", "tree_roots", "tree_branch"):
         _rule(name, getattr(cfg, name), cfg.sampler == "tree" or getattr(cfg, name) == getattr(default, name),
               "only applies with sampler = 'tree' (add --sampler tree)")
     for name in ("agency_schedule", "agency_mode"):

@@ -20,6 +20,7 @@ from torch import Tensor, nn
 
 from polyrl.model import TokenLogprobs, completion_logprobs
 from polyrl.rollout.generator import Sample
+from polyrl.tasks.base import Prompt
 
 
 @dataclass
@@ -136,6 +137,33 @@ def prompt_embedder(model: nn.Module, tokenizer) -> Callable[[list[str]], Tensor
         return ((out.hidden_states[-1] * mask).sum(1) / mask.sum(1)).float().cpu()
 
     return embed
+
+
+def answer_likelihood(learner: LocalLearner, tokenizer) -> Callable[[list[Prompt]], Tensor]:
+    """``likelihood(prompts)`` -> [N]: the probability that one sampled completion is exactly the prompt's reference
+    answer followed by EOS, under the sampling distribution (temperature, top-p, top-k) of the learner's policy now.
+
+    One teacher-forced forward pass per prompt, no sampling. For a task whose reward is 1 exactly when the completion
+    is the reference answer (``exact_answer`` tasks: addition) this is the success probability of a rollout itself
+    -- a success predictor that needs no history and is never stale. It is a lower bound where other token sequences
+    also pass (another tokenization of the same text, surrounding whitespace the reward strips).
+    """
+    eos = tokenizer.eos_token_id
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+
+    def likelihood(prompts: list[Prompt]) -> Tensor:
+        if not prompts:
+            return torch.zeros(0, dtype=torch.float64)
+        texts = tokenizer([p.text for p in prompts], add_special_tokens=True)["input_ids"]
+        answers = tokenizer([p.answer for p in prompts], add_special_tokens=False)["input_ids"]
+        samples = [Sample(prompt_index=i, prompt_token_ids=list(t), completion_token_ids=[*a, eos],
+                          logprobs=[0.0] * (len(a) + 1), finish_reason="stop", text=p.answer)
+                   for i, (t, a, p) in enumerate(zip(texts, answers, prompts))]
+        batch = TokenBatch.from_samples(samples, pad)
+        logp = learner.logprobs_nograd(batch).logp.double()
+        return (logp * batch.completion_mask.double()).sum(-1).exp().cpu()
+
+    return likelihood
 
 
 class Learner(Protocol):

@@ -286,6 +286,29 @@ def test_tree_sampler_spends_the_budget_skips_decided_prompts_and_builds_sibling
     assert counts[0][1] > 2  # the predictor's history grew with the root outcomes
 
 
+def test_without_branching_the_extension_only_grows_root_groups():
+    tok = build_char_tokenizer()
+    prompts = [Prompt(f"p{k}", f"{k}=", "11") for k in range(4)]
+    p_right = {"0=": 0.5, "1=": 0.5, "2=": 1.0, "3=": 0.0}
+    counts = {0: [10.0, 20.0], 1: [10.0, 20.0], 2: [20.0, 20.0], 3: [0.0, 20.0]}
+    runner = EpisodeRunner(ScriptedGenerator(tok, p_right), tok, TwoCharTask())
+    params = SamplingParams(n=4, max_new_tokens=4, seed=0)
+    sampler = TreeSampler(runner, counts, root_frac=0.5, candidate_factor=2.0, prune=0.05, max_group=4, branch=False)
+    batch = sampler.collect(TwoCharTask(), get_method("grpo"), lambda k: [(i % 4, prompts[i % 4]) for i in range(k)],
+                            num_groups=4, params=params, history={})
+    # the same call with branching gives continuations (their uncertain prefixes "1" / "2" are anchors) ...
+    branching = TreeSampler(runner, {k: list(v) for k, v in counts.items()}, root_frac=0.5, candidate_factor=2.0,
+                            prune=0.05, max_group=4)
+    with_branches = branching.collect(TwoCharTask(), get_method("grpo"),
+                                      lambda k: [(i % 4, prompts[i % 4]) for i in range(k)], num_groups=4,
+                                      params=params, history={})
+    assert with_branches.stats["tree/continuations"] > 0
+    # ... without, every rollout is a root of a probed prompt: no sibling groups, no branch points
+    assert bool(batch.tree.is_root.all()) and batch.stats["tree/continuations"] == 0
+    assert (batch.tree.sibling_ids == -1).all() and int(batch.tree.branch_at.max()) == 0
+    assert set(batch.group_ids.tolist()) <= {0, 1} and len(batch.samples) == 16  # the budget, on uncertain prompts
+
+
 def test_a_mixed_probe_is_extended_past_the_group_size():
     tok = build_char_tokenizer()
     prompts = [Prompt(f"p{k}", f"{k}=", "11") for k in range(4)]
@@ -349,6 +372,33 @@ def test_prompt_features_do_not_depend_on_batch_padding(tmp_path):
     assert both.shape == (2, 32)
     assert torch.allclose(embed(["12+34="])[0], both[0], atol=1e-5)
     assert not torch.allclose(both[0], both[1], atol=1e-3)
+
+
+@pytest.mark.parametrize("temperature,top_k", [(1.0, 0), (0.7, 5)])
+def test_answer_likelihood_is_the_samplers_probability_of_the_answer(tmp_path, temperature, top_k):
+    """The likelihood predictor: P(completion == answer + EOS) under the sampling distribution, as the sampler itself
+    reports it for a completion it drew, alone or padded in a batch."""
+    from polyrl.learner import LocalLearner, answer_likelihood
+    from polyrl.model import load_policy
+    from polyrl.rollout.hf import HFGenerator
+    from polyrl.tinylm import build_tiny_llama
+
+    model, tokenizer = load_policy(str(build_tiny_llama(tmp_path / "m", hidden=32, layers=2, heads=2, seed=0)))
+    learner = LocalLearner(model, lr=1e-4, weight_decay=0.0, warmup_steps=0, max_grad_norm=1.0,
+                           temperature=temperature, top_p=1.0, top_k=top_k, fp32_head=False, micro_batch_size=4)
+    texts = ["12+34=", "123+456=", "7+8="]
+    drawn = HFGenerator(model, tokenizer).generate(texts, SamplingParams(
+        n=32, max_new_tokens=6, temperature=temperature, top_k=top_k or None, seed=0))
+    eos = tokenizer.eos_token_id  # completions that are exactly (their text's tokens, EOS)
+    done = [s for s in drawn if s.text and s.completion_token_ids == [
+        *tokenizer(s.text, add_special_tokens=False)["input_ids"], eos]]
+    assert len(done) >= 3, f"only {len(done)} completions ended in EOS"
+    prompts = [Prompt(f"p{i}", texts[s.prompt_index], s.text) for i, s in enumerate(done)]
+    got = answer_likelihood(learner, tokenizer)(prompts)
+    want = torch.tensor([math.exp(sum(s.logprobs)) for s in done], dtype=torch.float64)
+    assert torch.allclose(got, want, rtol=1e-4, atol=1e-9)
+    assert torch.allclose(answer_likelihood(learner, tokenizer)(prompts[:1]), got[:1], rtol=1e-5)
+    assert float(answer_likelihood(learner, tokenizer)([Prompt("x", "7+8=", "99999")])) < float(got.max())
 
 
 def test_sampled_roots_weigh_each_prompt_by_its_inverse_inclusion_probability():

@@ -64,6 +64,8 @@ from polyrl.rollout.episodes import Episode, EpisodeRunner, prefix_episode
 from polyrl.rollout.generator import SamplingParams
 from polyrl.tasks.base import Prompt, Task
 
+EXACT_STRENGTH = 1e4  # pseudo-trials of a predicted rate known exactly (the likelihood predictor): Beta ~ a point
+
 
 def p_mixed(p: Tensor, n: Tensor, strength: Tensor | None = None) -> Tensor:
     """Probability that n Bernoulli(p) rollouts contain both a success and a failure (0 for n < 2).
@@ -367,7 +369,8 @@ class TreeSampler:
     def __init__(self, runner: EpisodeRunner, counts: MutableMapping[int, list[float]], *, root_frac: float = 0.5,
                  candidate_factor: float = 2.0, prune: float = 0.05, prior_strength: float = 2.0,
                  objective: str = "rollouts", half_life: float = 0.0, max_group: int = 0,
-                 embed: Callable[[list[str]], Tensor] | None = None, roots: str = "dp", floor: float = 0.05):
+                 embed: Callable[[list[str]], Tensor] | None = None, roots: str = "dp", floor: float = 0.05,
+                 branch: bool = True, likelihood: Callable[[list[Prompt]], Tensor] | None = None):
         if roots not in ("dp", "sample"):
             raise ValueError(f"roots = {roots!r} is not allowed; use 'dp' or 'sample'")
         self.runner = runner
@@ -377,6 +380,8 @@ class TreeSampler:
         self.root_frac, self.candidate_factor, self.prune = root_frac, candidate_factor, prune
         self.prior_strength, self.objective = prior_strength, objective
         self.max_group = max_group  # largest root group after extension (0: twice the group size)
+        self.branch = branch  # False: no prefix continuations, the extension only grows root groups
+        self.likelihood = likelihood  # prompts -> the policy's probability of the reference answer (exact-answer tasks)
 
     def _pruned(self, p: Tensor) -> Tensor:
         return torch.where((p < self.prune) | (p > 1 - self.prune), torch.zeros_like(p), p)
@@ -389,6 +394,9 @@ class TreeSampler:
         # 1. roots: probe the candidate prompts whose posterior promises mixed groups -------------------
         drawn = draw_prompts(max(num_groups, math.ceil(self.candidate_factor * num_groups)))
         p_root, s_root = self.predictor.prompts([i for i, _ in drawn], [p.text for _, p in drawn])
+        if self.likelihood is not None:  # the success probability itself, from the policy of this step: no posterior
+            p_root = self.likelihood([p for _, p in drawn]).to(torch.float64).clamp(0, 1)
+            s_root = torch.full_like(p_root, EXACT_STRENGTH)
         root_budget = max(2, round(self.root_frac * budget))
         inclusion = None
         if self.roots == "sample":  # draw groups of G in proportion to P_mix; weights undo the preference
@@ -412,7 +420,7 @@ class TreeSampler:
         # 2. extend: one DP over (a) the candidates -- more rollouts join the prompt's root group -- and
         #    (b) the prefixes of root rollouts -- continuations form a sibling group with the roots through it
         anchors: dict[tuple[int, tuple[int, ...]], list[int]] = {}  # (candidate, prefix tokens) -> root rollouts
-        for j, e in enumerate(roots):
+        for j, e in enumerate(roots if self.branch else []):
             for cut in branch_points(e, self.runner.tool):
                 anchors.setdefault((root_of[j], tuple(e.token_ids[:cut])), [])
         for (k, prefix), members in anchors.items():

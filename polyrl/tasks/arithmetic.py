@@ -37,6 +37,8 @@ class AdditionTask:
     and fails others reliably (the tree sampler's benchmark).
     """
 
+    exact_answer = True  # reward 1 exactly when the completion is the answer: the tree's likelihood predictor applies
+
     def __init__(self, digits: int | tuple[int, ...] = 2) -> None:
         sizes = (digits,) if isinstance(digits, int) else tuple(digits)
         if not sizes or min(sizes) < 1:
