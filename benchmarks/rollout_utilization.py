@@ -1,9 +1,10 @@
 """Rollout utilization against held-out accuracy per variant of `polyrl compare` directories (tree vs uniform).
 
-    .venv/bin/polyrl compare --task addition_mixed --methods uniform=grpo,tree=grpo \\
-        --method-args 'tree=--sampler tree' --seeds 3 --steps 100 --group-size 4 --prompts-per-step 16 \\
-        --train-prompts 256 --eval-every 25 --workers 2 --out runs/tree-vs-uniform
-    .venv/bin/python benchmarks/rollout_utilization.py runs/tree-vs-uniform [more compare dirs ...]
+    .venv/bin/polyrl warmstart --task addition_mixed --threshold 0.5     # prints DIR
+    .venv/bin/polyrl compare --task addition_mixed --model DIR --methods uniform=grpo,tree=grpo \\
+        --method-args 'tree=--sampler tree --tree-predictor likelihood --tree-root-frac 0.75 --tree-candidates 4' \\
+        --seeds 20 --steps 150 --group-size 4 --prompts-per-step 16 --eval-every 25 --workers 2 --out runs/tree-final
+    .venv/bin/python benchmarks/rollout_utilization.py runs/tree-final [more compare dirs ...]
 
 For every run: mean ``rollout/utilization`` (share of completions in groups whose rewards differ),
 mean ``rollout/useful_groups_per_token``, distinct prompts with mixed outcomes per step (``rollout/groups`` x
@@ -66,7 +67,7 @@ def plot(table: dict[str, dict[str, float]], path: Path) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("dirs", nargs="*", default=["runs/tree-vs-uniform"], help="polyrl compare output directories")
+    p.add_argument("dirs", nargs="*", default=["runs/tree-final"], help="polyrl compare output directories")
     p.add_argument("--quiet", action="store_true", help="print the per-variant means only")
     args = p.parse_args()
     table: dict[str, dict[str, float]] = {}

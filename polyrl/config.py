@@ -270,6 +270,8 @@ def validate(cfg: TrainConfig) -> None:
     default = TrainConfig()
     _rule("tree_max_group", cfg.tree_max_group, cfg.tree_max_group == 0 or cfg.tree_max_group >= cfg.group_size,
           f"must be 0 (twice the group size) or >= group_size = {cfg.group_size}")
+    _rule("tree_half_life", cfg.tree_half_life, cfg.tree_predictor != "likelihood" or not cfg.tree_half_life,
+          "ages pass-rate histories, which tree_predictor = 'likelihood' does not use")
     _rule("tree_probe", cfg.tree_probe, cfg.tree_roots == "dp" or cfg.tree_probe == default.tree_probe,
           "only applies with tree_roots = 'dp' (sampled roots are groups of group_size)")
     for name in ("tree_root_frac", "tree_candidates", "tree_prune", "tree_half_life", "tree_max_group", "tree_probe",

@@ -44,9 +44,11 @@ def _rows(run_dir):
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_tree_sampler_keeps_the_rollout_budget(models, tmp_path):
-    train(_cfg(sampler="tree", train_prompts=4), get_method("grpo"), model_dir=models[0], task=_task(),
-          run_dir=str(tmp_path), console=QUIET)
+@pytest.mark.parametrize("predictor,branch", [("history", True), ("likelihood", False)])
+def test_tree_sampler_keeps_the_rollout_budget(models, tmp_path, predictor, branch):
+    task = _task() if predictor == "history" else AdditionTask()  # likelihood: a reward that is the exact answer
+    train(_cfg(sampler="tree", train_prompts=4, tree_predictor=predictor, tree_branch=branch), get_method("grpo"),
+          model_dir=models[0], task=task, run_dir=str(tmp_path), console=QUIET)
     steps = [r for r in _rows(tmp_path) if "reward/mean" in r]
     assert len(steps) == 3
     for r in steps:
@@ -97,6 +99,8 @@ def test_bad_rollout_settings_are_one_line_errors(models, tmp_path, capsys):
              (["--tree-candidates", "4"], "tree_candidates = 4.0 is not allowed; only applies with sampler = 'tree'"),
              (["--sampler", "tree", "--tree-predictor", "likelihood", "--task", "countdown"],
               "tree_predictor = 'likelihood' is not allowed with task = 'countdown'"),
+             (["--sampler", "tree", "--tree-predictor", "likelihood", "--tree-half-life", "20"],
+              "tree_half_life = 20.0 is not allowed; ages pass-rate histories"),
              (["--no-tree-branch"], "tree_branch = False is not allowed; only applies with sampler = 'tree'"),
              (["--sampler", "tree", "--tree-max-group", "3"], "tree_max_group = 3 is not allowed; must be 0"),
              (["--sampler", "tree", "--tree-roots", "sample", "--tree-probe", "groups"],

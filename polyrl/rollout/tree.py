@@ -32,6 +32,13 @@ stages, as the paper describes (roots, then expansions):
    could become useful through both its root and a sibling group is counted in both: the DP's value
    is an upper bound there.) Both stages together never exceed B.
 
+Predictors: the pass-rate history above (``SuccessPredictor``, optionally shared across similar prompts), or, on tasks
+whose reward is 1 exactly when the completion is the reference answer, the policy's own probability of that answer
+(``likelihood``: one teacher-forced forward pass per candidate, ``learner.answer_likelihood``). That probability is the
+success rate of a rollout itself, for the policy of this step: no history to go stale, no prompt to see twice, so the
+DP picks the prompts whose groups will be mixed now from a fresh draw of candidates every step (``EXACT_STRENGTH``
+makes its Beta a point). ``branch=False`` leaves out the prefix continuations: the extension only grows root groups.
+
 Sampled roots (``roots="sample"``, also ours): stage 1 draws groups of G at random instead, prompt m with
 inclusion probability pi_m proportional to max(P_mix(p_m, G), floor) (``inclusion_probabilities``, exact by
 systematic sampling), and stage 2 extends only the drawn prompts. The loss of every sample of prompt m, KL
