@@ -272,6 +272,8 @@ def validate(cfg: TrainConfig) -> None:
           f"must be 0 (twice the group size) or >= group_size = {cfg.group_size}")
     _rule("tree_half_life", cfg.tree_half_life, cfg.tree_predictor != "likelihood" or not cfg.tree_half_life,
           "ages pass-rate histories, which tree_predictor = 'likelihood' does not use")
+    _rule("tree_predictor", cfg.tree_predictor, cfg.tree_predictor != "likelihood" or cfg.agency is None,
+          "is the learner's success rate, but agency transfer samples from the baseline/learner mixture; use history")
     _rule("tree_probe", cfg.tree_probe, cfg.tree_roots == "dp" or cfg.tree_probe == default.tree_probe,
           "only applies with tree_roots = 'dp' (sampled roots are groups of group_size)")
     for name in ("tree_root_frac", "tree_candidates", "tree_prune", "tree_half_life", "tree_max_group", "tree_probe",

@@ -63,13 +63,16 @@ def test_every_preset_trains_a_few_steps(name, tiny_model, tmp_path):
     assert (tmp_path / "summary.json").exists() and (tmp_path / "curves.png").exists()
 
 
-@pytest.mark.parametrize("name", ["grpo", "ppo"])
-def test_resume_equals_uninterrupted_training_bit_for_bit(name, tiny_model, tmp_path):
+@pytest.mark.parametrize("name,extra", [("grpo", {}), ("ppo", {}), ("grpo", {"sampler": "tree"}),
+                                        ("grpo", {"sampler": "tree", "tree_predictor": "likelihood"})])
+def test_resume_equals_uninterrupted_training_bit_for_bit(name, extra, tiny_model, tmp_path):
     method = get_method(name)
-    train(_cfg(steps=4), method, model_dir=tiny_model, task=_task(), run_dir=str(tmp_path / "a"), console=QUIET)
-    train(_cfg(steps=2), method, model_dir=tiny_model, task=_task(), run_dir=str(tmp_path / "b"), console=QUIET)
-    train(_cfg(steps=4, resume=True), method, model_dir=tiny_model, task=_task(), run_dir=str(tmp_path / "b"),
+    train(_cfg(steps=4, **extra), method, model_dir=tiny_model, task=_task(), run_dir=str(tmp_path / "a"),
           console=QUIET)
+    train(_cfg(steps=2, **extra), method, model_dir=tiny_model, task=_task(), run_dir=str(tmp_path / "b"),
+          console=QUIET)
+    train(_cfg(steps=4, resume=True, **extra), method, model_dir=tiny_model, task=_task(),
+          run_dir=str(tmp_path / "b"), console=QUIET)
     from safetensors.torch import load_file
 
     a = load_file(str(tmp_path / "a" / "checkpoints" / "step_000004" / "model.safetensors"))
