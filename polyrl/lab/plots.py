@@ -18,10 +18,21 @@ def _colors(methods: list[str]) -> dict[str, Any]:
 
 
 def _band(ax, c: dict[str, Any] | None, color, label: str) -> bool:
+    """Mean with its band where every seed has data; dotted, without a band, where fewer seeds reach (on the
+    rollouts and tokens axes seeds end at different x, and a mean over the few that go furthest is not comparable)."""
     if not c or not c["x"]:
         return False
-    ax.plot(c["x"], c["mean"], color=color, lw=1.6, label=label, marker="o" if len(c["x"]) < 15 else None, ms=3)
-    ax.fill_between(c["x"], c["lo"], c["hi"], color=color, alpha=0.18, lw=0)
+    marker = "o" if len(c["x"]) < 15 else None
+    n = c.get("n") or [1] * len(c["x"])
+    full = [i for i, k in enumerate(n) if k == max(n)]
+    last = full[-1] if full else -1
+    pick = lambda key, idx: [c[key][i] for i in idx]
+    solid = list(range(last + 1))
+    ax.plot(pick("x", solid), pick("mean", solid), color=color, lw=1.6, label=label, marker=marker, ms=3)
+    ax.fill_between(pick("x", solid), pick("lo", solid), pick("hi", solid), color=color, alpha=0.18, lw=0)
+    if last < len(n) - 1:
+        tail = list(range(max(last, 0), len(n)))
+        ax.plot(pick("x", tail), pick("mean", tail), color=color, lw=1.0, ls=":", marker=marker, ms=2)
     return True
 
 
@@ -44,7 +55,8 @@ def _plot_performance(results, colors, path: Path, plt) -> None:
                 drew |= _band(ax, res["curves"][key][axis], colors[m], m)
             _finish(ax, f"{name} vs {AXIS_LABELS[axis]}", AXIS_LABELS[axis], drew)
     _legend(fig, axes)
-    fig.suptitle(f"mean over seeds, shaded: {results['settings']['ci']:.0%} bootstrap interval", fontsize=10)
+    fig.suptitle(f"mean over seeds, shaded: {results['settings']['ci']:.0%} bootstrap interval; dotted: beyond where "
+                 "every seed reaches", fontsize=10)
     fig.tight_layout(rect=(0, 0, 0.9, 0.97))
     fig.savefig(path, dpi=90)
     plt.close(fig)
