@@ -286,22 +286,26 @@ def test_tree_sampler_spends_the_budget_skips_decided_prompts_and_builds_sibling
     assert counts[0][1] > 2  # the predictor's history grew with the root outcomes
 
 
-def test_without_branching_the_extension_only_grows_root_groups():
+def _four_prompts(p_right: list[float]):
+    """A scripted runner over prompts "0=" .. "3=" (answer "11"; prompt k answers right with p_right[k]) and a draw
+    that cycles through them."""
     tok = build_char_tokenizer()
     prompts = [Prompt(f"p{k}", f"{k}=", "11") for k in range(4)]
-    p_right = {"0=": 0.5, "1=": 0.5, "2=": 1.0, "3=": 0.0}
+    runner = EpisodeRunner(ScriptedGenerator(tok, {f"{k}=": p for k, p in enumerate(p_right)}), tok, TwoCharTask())
+    return runner, lambda k: [(i % 4, prompts[i % 4]) for i in range(k)]
+
+
+def test_without_branching_the_extension_only_grows_root_groups():
+    runner, draw = _four_prompts([0.5, 0.5, 1.0, 0.0])
     counts = {0: [10.0, 20.0], 1: [10.0, 20.0], 2: [20.0, 20.0], 3: [0.0, 20.0]}
-    runner = EpisodeRunner(ScriptedGenerator(tok, p_right), tok, TwoCharTask())
     params = SamplingParams(n=4, max_new_tokens=4, seed=0)
     sampler = TreeSampler(runner, counts, root_frac=0.5, candidate_factor=2.0, prune=0.05, max_group=4, branch=False)
-    batch = sampler.collect(TwoCharTask(), get_method("grpo"), lambda k: [(i % 4, prompts[i % 4]) for i in range(k)],
-                            num_groups=4, params=params, history={})
+    batch = sampler.collect(TwoCharTask(), get_method("grpo"), draw, num_groups=4, params=params, history={})
     # the same call with branching gives continuations (their uncertain prefixes "1" / "2" are anchors) ...
     branching = TreeSampler(runner, {k: list(v) for k, v in counts.items()}, root_frac=0.5, candidate_factor=2.0,
                             prune=0.05, max_group=4)
-    with_branches = branching.collect(TwoCharTask(), get_method("grpo"),
-                                      lambda k: [(i % 4, prompts[i % 4]) for i in range(k)], num_groups=4,
-                                      params=params, history={})
+    with_branches = branching.collect(TwoCharTask(), get_method("grpo"), draw, num_groups=4, params=params,
+                                      history={})
     assert with_branches.stats["tree/continuations"] > 0
     # ... without, every rollout is a root of a probed prompt: no sibling groups, no branch points
     assert bool(batch.tree.is_root.all()) and batch.stats["tree/continuations"] == 0
@@ -310,15 +314,11 @@ def test_without_branching_the_extension_only_grows_root_groups():
 
 
 def test_a_mixed_probe_is_extended_past_the_group_size():
-    tok = build_char_tokenizer()
-    prompts = [Prompt(f"p{k}", f"{k}=", "11") for k in range(4)]
-    p_right = {"0=": 0.5, "1=": 1.0, "2=": 0.0, "3=": 0.0}
+    runner, draw = _four_prompts([0.5, 1.0, 0.0, 0.0])
     counts = {0: [10.0, 20.0], 1: [20.0, 20.0], 2: [0.0, 20.0], 3: [0.0, 20.0]}
-    runner = EpisodeRunner(ScriptedGenerator(tok, p_right), tok, TwoCharTask())
     sampler = TreeSampler(runner, counts, root_frac=0.25, candidate_factor=2.0, prune=0.05)
     params = SamplingParams(n=4, max_new_tokens=4, seed=0)
-    batch = sampler.collect(TwoCharTask(), get_method("grpo"), lambda k: [(i % 4, prompts[i % 4]) for i in range(k)],
-                            num_groups=2, params=params, history={})
+    batch = sampler.collect(TwoCharTask(), get_method("grpo"), draw, num_groups=2, params=params, history={})
     # a probe of two on the uncertain prompt, then the rest of the budget joins its root group (past G = 4);
     # the decided prompts get nothing
     assert batch.group_ids.tolist() == [0] * 8 and bool(batch.tree.is_root.all())
@@ -326,8 +326,7 @@ def test_a_mixed_probe_is_extended_past_the_group_size():
     assert batch.stats["rollout/utilization"] == (1.0 if len(set(batch.scores.tolist())) == 2 else 0.0)
     # with max_group = G the prompt's root group stops at G; the rest of the budget goes elsewhere
     capped = TreeSampler(runner, dict(counts), root_frac=0.25, candidate_factor=2.0, prune=0.05, max_group=4)
-    batch = capped.collect(TwoCharTask(), get_method("grpo"), lambda k: [(i % 4, prompts[i % 4]) for i in range(k)],
-                           num_groups=2, params=params, history={})
+    batch = capped.collect(TwoCharTask(), get_method("grpo"), draw, num_groups=2, params=params, history={})
     assert int((batch.group_ids[batch.tree.is_root] == 0).sum()) == 4
 
 
