@@ -274,6 +274,9 @@ def validate(cfg: TrainConfig) -> None:
           "ages pass-rate histories, which tree_predictor = 'likelihood' does not use")
     _rule("tree_predictor", cfg.tree_predictor, cfg.tree_predictor != "likelihood" or cfg.agency is None,
           "is the learner's success rate, but agency transfer samples from the baseline/learner mixture; use history")
+    _rule("tree_prune", cfg.tree_prune,
+          cfg.tree_roots == "dp" or cfg.tree_branch or cfg.tree_prune == default.tree_prune,
+          "prunes only prefixes with tree_roots = 'sample', and --no-tree-branch leaves none")
     _rule("tree_probe", cfg.tree_probe, cfg.tree_roots == "dp" or cfg.tree_probe == default.tree_probe,
           "only applies with tree_roots = 'dp' (sampled roots are groups of group_size)")
     for name in ("tree_root_frac", "tree_candidates", "tree_prune", "tree_half_life", "tree_max_group", "tree_probe",

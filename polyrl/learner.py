@@ -139,29 +139,43 @@ def prompt_embedder(model: nn.Module, tokenizer) -> Callable[[list[str]], Tensor
     return embed
 
 
-def answer_likelihood(learner: LocalLearner, tokenizer) -> Callable[[list[Prompt]], Tensor]:
-    """``likelihood(prompts)`` -> [N]: the probability that one sampled completion is exactly the prompt's reference
-    answer followed by EOS, under the sampling distribution (temperature, top-p, top-k) of the learner's policy now.
+def answer_likelihood(learner: LocalLearner, generator, max_new_tokens: int) -> Callable[[list[Prompt]], Tensor]:
+    """``likelihood(prompts)`` -> [N]: the probability that one completion sampled by ``generator`` (an HFGenerator:
+    its tokenizer, EOS ids and pad id) is exactly the prompt's reference answer, under the learner's sampling
+    distribution (temperature, top-p, top-k) and policy now.
 
-    One teacher-forced forward pass per prompt, no sampling. For a task whose reward is 1 exactly when the completion
-    is the reference answer (``exact_answer`` tasks: addition) this is the success probability of a rollout itself
-    -- a success predictor that needs no history and is never stale. It is a lower bound where other token sequences
-    also pass (another tokenization of the same text, surrounding whitespace the reward strips).
+    The answer is tokenized as it follows the prompt (the tail of the joint tokenization, so SentencePiece adds no
+    word-start marker), and it ends at any of the generator's EOS ids, or at the ``max_new_tokens`` cap when it is
+    exactly that long (a capped completion is scored too); an answer longer than the cap has probability 0. One
+    teacher-forced forward pass per prompt and EOS id, no sampling. For a task whose reward is 1 exactly when the
+    completion is the reference answer (``exact_answer`` tasks: addition) this is the success probability of a
+    rollout -- a success predictor that needs no history and is never stale: exact with a character tokenizer, a
+    lower bound where other token sequences also pass (another tokenization of the same text, whitespace the
+    reward strips).
     """
-    eos = tokenizer.eos_token_id
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+    tokenizer, eos_ids = generator.tokenizer, list(generator.eos_ids)
 
     def likelihood(prompts: list[Prompt]) -> Tensor:
+        out = torch.zeros(len(prompts), dtype=torch.float64)
         if not prompts:
-            return torch.zeros(0, dtype=torch.float64)
-        texts = tokenizer([p.text for p in prompts], add_special_tokens=True)["input_ids"]
-        answers = tokenizer([p.answer for p in prompts], add_special_tokens=False)["input_ids"]
-        samples = [Sample(prompt_index=i, prompt_token_ids=list(t), completion_token_ids=[*a, eos],
-                          logprobs=[0.0] * (len(a) + 1), finish_reason="stop", text=p.answer)
-                   for i, (t, a, p) in enumerate(zip(texts, answers, prompts))]
-        batch = TokenBatch.from_samples(samples, pad)
-        logp = learner.logprobs_nograd(batch).logp.double()
-        return (logp * batch.completion_mask.double()).sum(-1).exp().cpu()
+            return out
+        heads = tokenizer([p.text for p in prompts], add_special_tokens=True)["input_ids"]
+        joint = tokenizer([p.text + p.answer for p in prompts], add_special_tokens=True)["input_ids"]
+        samples, owner = [], []
+        for i, (head, both, p) in enumerate(zip(heads, joint, prompts)):
+            answer = both[len(head):] if both[: len(head)] == head else \
+                tokenizer(p.answer, add_special_tokens=False)["input_ids"]
+            if len(answer) > max_new_tokens:
+                continue  # cannot be written before the cap: probability 0
+            for end in [[]] if len(answer) == max_new_tokens else [[e] for e in eos_ids]:
+                samples.append(Sample(prompt_index=i, prompt_token_ids=list(head), completion_token_ids=[*answer, *end],
+                                      logprobs=[0.0] * (len(answer) + len(end)), finish_reason="stop", text=p.answer))
+                owner.append(i)
+        if samples:
+            batch = TokenBatch.from_samples(samples, generator.pad_id)
+            logp = learner.logprobs_nograd(batch).logp.double()
+            out.index_add_(0, torch.tensor(owner), (logp * batch.completion_mask.double()).sum(-1).exp().cpu())
+        return out
 
     return likelihood
 

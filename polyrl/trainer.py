@@ -194,13 +194,13 @@ def train(cfg: TrainConfig, method: Method, *, model_dir: str, task: Task, run_d
                        critic_opt=critic_opt, topk=TOPK if method.needs_topk else 0)
     if cfg.sampler == "tree":
         from polyrl.learner import answer_likelihood, prompt_embedder
-
-        shared, exact = cfg.tree_predictor == "shared", cfg.tree_predictor == "likelihood"
+        kind = cfg.tree_predictor
+        embed = prompt_embedder(policy, tokenizer) if kind == "shared" else None
+        exact = answer_likelihood(learner, generator, cfg.max_new_tokens) if kind == "likelihood" else None
         parts.tree = TreeSampler(runner, state.pass_counts, root_frac=cfg.tree_root_frac, roots=cfg.tree_roots,
                                  candidate_factor=cfg.tree_candidates, prune=cfg.tree_prune, branch=cfg.tree_branch,
                                  half_life=cfg.tree_half_life, max_group=cfg.tree_max_group, objective=cfg.tree_probe,
-                                 embed=prompt_embedder(policy, tokenizer) if shared else None,
-                                 likelihood=answer_likelihood(learner, tokenizer) if exact else None)
+                                 embed=embed, likelihood=exact)
     if cfg.async_staleness:
         parts.pipeline = AsyncPipeline(model_dir, task_name=cfg.task, data_file=cfg.data_file,
                                        staleness=cfg.async_staleness, dtype=cfg.dtype, fp32_head=cfg.fp32_lm_head,

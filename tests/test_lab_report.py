@@ -194,11 +194,12 @@ def test_curve_tail_reached_by_fewer_seeds_is_dotted_without_a_band():
     from polyrl.lab.plots import _band
 
     fig, ax = plt.subplots()
-    c = {"x": [0, 400, 800, 900], "mean": [0.2, 0.4, 0.6, 0.1], "lo": [0.1, 0.3, 0.5, 0.1],
-         "hi": [0.3, 0.5, 0.7, 0.1], "n": [3, 3, 2, 1]}
+    c = {"x": [-100, 0, 400, 800, 900], "mean": [0.9, 0.2, 0.4, 0.6, 0.1], "lo": [0.9, 0.1, 0.3, 0.5, 0.1],
+         "hi": [0.9, 0.3, 0.5, 0.7, 0.1], "n": [1, 3, 3, 2, 1]}
     assert _band(ax, c, "C0", "m")
-    solid, tail = ax.lines
+    solid, head, tail = ax.lines
     assert list(solid.get_xdata()) == [0, 400] and solid.get_linestyle() == "-"
+    assert list(head.get_xdata()) == [-100, 0] and head.get_linestyle() == ":"
     assert list(tail.get_xdata()) == [400, 800, 900] and tail.get_linestyle() == ":"
     band = ax.collections[0].get_paths()[0].vertices[:, 0]
     assert band.min() == 0 and band.max() == 400  # the band covers only the points every seed reaches

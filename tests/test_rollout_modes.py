@@ -103,6 +103,8 @@ def test_bad_rollout_settings_are_one_line_errors(models, tmp_path, capsys):
               "tree_half_life = 20.0 is not allowed; ages pass-rate histories"),
              (["--sampler", "tree", "--tree-predictor", "likelihood", "--agency", models[1]],
               "tree_predictor = 'likelihood' is not allowed; is the learner's success rate"),
+             (["--sampler", "tree", "--tree-roots", "sample", "--no-tree-branch", "--tree-prune", "0.1"],
+              "tree_prune = 0.1 is not allowed; prunes only prefixes"),
              (["--no-tree-branch"], "tree_branch = False is not allowed; only applies with sampler = 'tree'"),
              (["--sampler", "tree", "--tree-max-group", "3"], "tree_max_group = 3 is not allowed; must be 0"),
              (["--sampler", "tree", "--tree-roots", "sample", "--tree-probe", "groups"],

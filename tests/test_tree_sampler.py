@@ -375,8 +375,9 @@ def test_prompt_features_do_not_depend_on_batch_padding(tmp_path):
 
 @pytest.mark.parametrize("temperature,top_k", [(1.0, 0), (0.7, 5)])
 def test_answer_likelihood_is_the_samplers_probability_of_the_answer(tmp_path, temperature, top_k):
-    """The likelihood predictor: P(completion == answer + EOS) under the sampling distribution, as the sampler itself
-    reports it for a completion it drew, alone or padded in a batch."""
+    """The likelihood predictor: P(completion == answer) under the sampling distribution, as the sampler itself
+    reports it for a completion it drew (ended by EOS, or by the cap when the answer is exactly that long), alone or
+    padded in a batch; 0 for an answer longer than the cap."""
     from polyrl.learner import LocalLearner, answer_likelihood
     from polyrl.model import load_policy
     from polyrl.rollout.hf import HFGenerator
@@ -385,19 +386,41 @@ def test_answer_likelihood_is_the_samplers_probability_of_the_answer(tmp_path, t
     model, tokenizer = load_policy(str(build_tiny_llama(tmp_path / "m", hidden=32, layers=2, heads=2, seed=0)))
     learner = LocalLearner(model, lr=1e-4, weight_decay=0.0, warmup_steps=0, max_grad_norm=1.0,
                            temperature=temperature, top_p=1.0, top_k=top_k, fp32_head=False, micro_batch_size=4)
+    generator = HFGenerator(model, tokenizer)
     texts = ["12+34=", "123+456=", "7+8="]
-    drawn = HFGenerator(model, tokenizer).generate(texts, SamplingParams(
-        n=32, max_new_tokens=6, temperature=temperature, top_k=top_k or None, seed=0))
+    drawn = generator.generate(texts, SamplingParams(n=32, max_new_tokens=6, temperature=temperature,
+                                                     top_k=top_k or None, seed=0))
     eos = tokenizer.eos_token_id  # completions that are exactly (their text's tokens, EOS)
     done = [s for s in drawn if s.text and s.completion_token_ids == [
         *tokenizer(s.text, add_special_tokens=False)["input_ids"], eos]]
     assert len(done) >= 3, f"only {len(done)} completions ended in EOS"
     prompts = [Prompt(f"p{i}", texts[s.prompt_index], s.text) for i, s in enumerate(done)]
-    got = answer_likelihood(learner, tokenizer)(prompts)
+    likelihood = answer_likelihood(learner, generator, max_new_tokens=6)
+    got = likelihood(prompts)
     want = torch.tensor([math.exp(sum(s.logprobs)) for s in done], dtype=torch.float64)
     assert torch.allclose(got, want, rtol=1e-4, atol=1e-9)
-    assert torch.allclose(answer_likelihood(learner, tokenizer)(prompts[:1]), got[:1], rtol=1e-5)
-    assert float(answer_likelihood(learner, tokenizer)([Prompt("x", "7+8=", "99999")])) < float(got.max())
+    assert torch.allclose(likelihood(prompts[:1]), got[:1], rtol=1e-5)
+    assert float(likelihood([Prompt("x", "7+8=", "99999")])) < float(got.max())
+    # at the cap the answer needs no EOS (a capped completion is scored as it is); past the cap it cannot be written
+    s, n = done[0], len(done[0].completion_token_ids) - 1
+    capped = answer_likelihood(learner, generator, max_new_tokens=n)([prompts[0]])
+    assert float(capped) == pytest.approx(math.exp(sum(s.logprobs[:-1])), rel=1e-4)
+    assert float(answer_likelihood(learner, generator, max_new_tokens=n - 1)([prompts[0]])) == 0.0 or n == 1
+
+
+def test_the_likelihood_predictor_replaces_the_history():
+    """Probes go to the prompts the likelihood calls uncertain, whatever their pass-rate history says."""
+    runner, draw = _four_prompts([0.5, 0.5, 1.0, 0.0])
+    counts = {0: [20.0, 20.0], 1: [0.0, 20.0], 2: [10.0, 20.0], 3: [10.0, 20.0]}  # history: the opposite
+    scripted = {"0=": 0.5, "1=": 0.5, "2=": 1.0, "3=": 0.0}
+    params = SamplingParams(n=4, max_new_tokens=4, seed=0)
+    for likelihood, probed in ((None, [2, 3]), (lambda ps: torch.tensor([scripted[p.text] for p in ps]), [0, 1])):
+        sampler = TreeSampler(runner, {k: list(v) for k, v in counts.items()}, root_frac=0.5, candidate_factor=1.0,
+                              prune=0.05, max_group=4, branch=False, likelihood=likelihood)
+        batch = sampler.collect(TwoCharTask(), get_method("grpo"), draw, num_groups=4, params=params, history={})
+        assert torch.bincount(batch.group_ids, minlength=4)[probed].tolist() == [4, 4]  # a full probe each
+        if likelihood is not None:  # p = 1 and p = 0 are known decided: no rollout at all
+            assert set(batch.group_ids.tolist()) == {0, 1}
 
 
 def test_sampled_roots_weigh_each_prompt_by_its_inverse_inclusion_probability():

@@ -25,14 +25,14 @@ def _band(ax, c: dict[str, Any] | None, color, label: str) -> bool:
     marker = "o" if len(c["x"]) < 15 else None
     n = c.get("n") or [1] * len(c["x"])
     full = [i for i, k in enumerate(n) if k == max(n)]
-    last = full[-1] if full else -1
+    first, last = full[0], full[-1]
     pick = lambda key, idx: [c[key][i] for i in idx]
-    solid = list(range(last + 1))
+    solid = list(range(first, last + 1))
     ax.plot(pick("x", solid), pick("mean", solid), color=color, lw=1.6, label=label, marker=marker, ms=3)
     ax.fill_between(pick("x", solid), pick("lo", solid), pick("hi", solid), color=color, alpha=0.18, lw=0)
-    if last < len(n) - 1:
-        tail = list(range(max(last, 0), len(n)))
-        ax.plot(pick("x", tail), pick("mean", tail), color=color, lw=1.0, ls=":", marker=marker, ms=2)
+    for part in (list(range(first + 1)), list(range(last, len(n)))):  # head and tail fewer seeds reach
+        if len(part) > 1:
+            ax.plot(pick("x", part), pick("mean", part), color=color, lw=1.0, ls=":", marker=marker, ms=2)
     return True
 
 

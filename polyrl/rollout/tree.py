@@ -35,7 +35,8 @@ stages, as the paper describes (roots, then expansions):
 Predictors: the pass-rate history above (``SuccessPredictor``, optionally shared across similar prompts), or, on tasks
 whose reward is 1 exactly when the completion is the reference answer, the policy's own probability of that answer
 (``likelihood``: one teacher-forced forward pass per candidate, ``learner.answer_likelihood``). That probability is the
-success rate of a rollout itself, for the policy of this step: no history to go stale, no prompt to see twice, so the
+success rate of a rollout for the policy of this step (exact with a character tokenizer, else a lower bound): no
+history to go stale, no prompt to see twice, so the
 DP picks the prompts whose groups will be mixed now from a fresh draw of candidates every step (``EXACT_STRENGTH``
 makes its Beta a point). ``branch=False`` leaves out the prefix continuations: the extension only grows root groups.
 
