@@ -36,9 +36,9 @@ Predictors: the pass-rate history above (``SuccessPredictor``, optionally shared
 whose reward is 1 exactly when the completion is the reference answer, the policy's own probability of that answer
 (``likelihood``: one teacher-forced forward pass per candidate, ``learner.answer_likelihood``). That probability is the
 success rate of a rollout for the policy of this step (exact with a character tokenizer, else a lower bound): no
-history to go stale, no prompt to see twice, so the
-DP picks the prompts whose groups will be mixed now from a fresh draw of candidates every step (``EXACT_STRENGTH``
-makes its Beta a point). ``branch=False`` leaves out the prefix continuations: the extension only grows root groups.
+history to go stale, no prompt to see twice, so the DP picks the prompts whose groups will be mixed now from a fresh
+draw of candidates every step (``EXACT_STRENGTH`` makes its Beta a point; the pass-rate history is still
+recorded). ``branch=False`` leaves out the prefix continuations: the extension only grows root groups.
 
 Sampled roots (``roots="sample"``, also ours): stage 1 draws groups of G at random instead, prompt m with
 inclusion probability pi_m proportional to max(P_mix(p_m, G), floor) (``inclusion_probabilities``, exact by
@@ -401,10 +401,11 @@ class TreeSampler:
         self.predictor.now = step
         # 1. roots: probe the candidate prompts whose posterior promises mixed groups -------------------
         drawn = draw_prompts(max(num_groups, math.ceil(self.candidate_factor * num_groups)))
-        p_root, s_root = self.predictor.prompts([i for i, _ in drawn], [p.text for _, p in drawn])
         if self.likelihood is not None:  # the success probability itself, from the policy of this step: no posterior
             p_root = self.likelihood([p for _, p in drawn]).to(torch.float64).clamp(0, 1)
             s_root = torch.full_like(p_root, EXACT_STRENGTH)
+        else:
+            p_root, s_root = self.predictor.prompts([i for i, _ in drawn], [p.text for _, p in drawn])
         root_budget = max(2, round(self.root_frac * budget))
         inclusion = None
         if self.roots == "sample":  # draw groups of G in proportion to P_mix; weights undo the preference
