@@ -1,6 +1,7 @@
 # The two commands a new user needs: `make demo` and `make test`.
 # Each creates .venv when missing, installs torch==2.13.0 first (the CPU wheel; a bare `torch`
-# requirement would pull several GB of CUDA wheels), then the package with its extras.
+# requirement would pull several GB of CUDA wheels), then the package with its extras at the versions
+# CI tests (constraints.txt; pyproject.toml keeps open ranges).
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -8,11 +9,11 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test lint docs clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q torch==2.13.0
-	$(BIN)/python -m pip install -q -e '.[dev]'
+	$(BIN)/python -m pip install -q -c constraints.txt -e '.[dev]'
 	touch $(STAMP)
 
 demo: $(STAMP)

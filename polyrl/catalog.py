@@ -77,6 +77,26 @@ def method_row(method: Method) -> dict[str, str]:
     }
 
 
+def method_row_compact(method: Method) -> dict[str, str]:
+    """The `polyrl methods` table row that fits 100 columns: related parts share a column, one per line.
+
+    Keys are the column headers. The other parts are the ratio when it is not the usual per-token one, then
+    shapers, filters, corrections and non-default anchor / reference syncing.
+    """
+    row = method_row(method)
+    other = [f"ratio={row['ratio']}"] if method.ratio.name != "token" else []
+    if row["shapers/filters/corrections"] != "-":
+        other.append(row["shapers/filters/corrections"])
+    # A space after each comma lets the table wrap long parameter lists between settings, not inside names.
+    trust_region = row["trust_region"].replace(",", ", ")
+    return {
+        "method": row["method"],
+        "advantage\naggregation": f"{row['advantage']}\n{row['aggregation']}",
+        "trust region\nKL": f"{trust_region}\n{'-' if row['kl'] == 'none' else row['kl']}",
+        "other parts": ", ".join(other) or "-",
+    }
+
+
 def render_methods_markdown() -> str:
     """The generated docs/methods.md: every preset with its resolved parts, then every registered part."""
     lines = [
@@ -139,4 +159,5 @@ def explain_lines(method: Method) -> list[tuple[str, str, str, str]]:
     return out
 
 
-__all__ = ["render_methods_markdown", "method_dict", "explain_lines", "all_methods", "method_row"]
+__all__ = ["render_methods_markdown", "method_dict", "explain_lines", "all_methods", "method_row",
+           "method_row_compact"]

@@ -22,12 +22,10 @@ import numpy as np
 import torch
 from safetensors.torch import load_model, save_model
 
+from polyrl.errors import CheckpointError  # re-exported: defined without torch for the CLI
+
 FORMAT = 1
 _FILES = ("model.safetensors", "trainer_state.pt")
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be used; the message names the path and what is wrong."""
 
 
 def _sha256(path: Path) -> str:
@@ -98,6 +96,42 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
     root = Path(run_dir) / "checkpoints"
     done = sorted(p for p in root.glob("step_*") if (p / "meta.json").exists()) if root.exists() else []
     return done[-1] if done else None
+
+
+def remove_partial_saves(run_dir: str | Path) -> int:
+    """Delete the ``.tmp_step_*`` directories of saves that were interrupted; return how many."""
+    root = Path(run_dir) / "checkpoints"
+    partial = [p for p in root.glob(".tmp_step_*") if p.is_dir()] if root.exists() else []
+    for p in partial:
+        shutil.rmtree(p, ignore_errors=True)
+    return len(partial)
+
+
+def resume_checkpoint(run_dir: str | Path, resume_from: str | Path | None = None) -> Path:
+    """The checkpoint a resume starts from: ``resume_from``, else the newest, verified.
+
+    A corrupt newest checkpoint is not skipped silently: the error names the newest intact one and the
+    flag that resumes from it.
+    """
+    if resume_from is not None:
+        verify_checkpoint(resume_from)
+        return Path(resume_from)
+    root = Path(run_dir) / "checkpoints"
+    found = sorted((p for p in root.glob("step_*") if p.is_dir()), reverse=True) if root.exists() else []
+    if not found:
+        raise CheckpointError(f"run_dir = {str(run_dir)!r} has no checkpoint to resume from")
+    try:
+        verify_checkpoint(found[0])
+    except CheckpointError as e:
+        for older in found[1:]:
+            try:
+                verify_checkpoint(older)
+            except CheckpointError:
+                continue
+            raise CheckpointError(f"{e}; the newest intact checkpoint is {older}: resume from it with "
+                                  f"--resume-from {older}") from None
+        raise CheckpointError(f"{e}; no older intact checkpoint in {root}") from None
+    return found[0]
 
 
 def verify_checkpoint(path: str | Path) -> dict[str, Any]:

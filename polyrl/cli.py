@@ -1,26 +1,31 @@
 """`polyrl` command line: train, warmstart, methods, explain, parts, docs.
 
 Bad input prints one line naming the field, the value and what is allowed, and exits with code 2.
+
+torch and transformers are imported only by the commands that need them: `methods`, `parts`, `explain NAME`,
+`--help` and usage errors answer from the argument parser and the shipped catalog manifest (polyrl/manifest.py).
 """
 
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import os
 import shutil
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from polyrl.checkpoint import CheckpointError
 from polyrl.config import ConfigError
-from polyrl.errors import TrainingError
-from polyrl.registry import ALL_REGISTRIES, PartError
+from polyrl.errors import CheckpointError, RewardError, TrainingError
+from polyrl.registry import ALL_REGISTRIES, PartError, unknown
 
 # Piped output (CI logs, tests, `| less`) gets a wide console instead of rich's 80-column default.
 console = Console() if sys.stdout.isatty() else Console(width=200)
@@ -42,10 +47,8 @@ def add_method_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--anchor", choices=["old", "rollout"], help="ratio denominator: pi_old or the rollout policy")
 
 
-def method_from_args(name: str, args: argparse.Namespace):
-    """Resolve preset ``name`` with the overrides given on the command line (raises PartError)."""
-    from polyrl.methods import get_method
-
+def method_changes(args: argparse.Namespace) -> dict[str, Any]:
+    """The part overrides given on the command line, as ``get_method`` keyword arguments."""
     changes: dict[str, Any] = {}
     for key in ("advantage", "ratio", "trust_region", "aggregation", "kl", "kl_coef", "kl_placement", "anchor"):
         value = getattr(args, key, None)
@@ -57,75 +60,126 @@ def method_from_args(name: str, args: argparse.Namespace):
             changes[plural] = [v for v in values if v != "none"]
     if changes.get("kl") == "none":
         changes["kl"], changes["kl_coef"] = None, 0.0
-    return get_method(name, **changes)
+    return changes
+
+
+def method_from_args(name: str, args: argparse.Namespace):
+    """Resolve preset ``name`` with the overrides given on the command line (raises PartError)."""
+    from polyrl.methods import get_method
+
+    return get_method(name, **method_changes(args))
+
+
+def uses_manifest(args: argparse.Namespace) -> bool:
+    """Whether the command can answer from the catalog manifest, without importing the registries (torch).
+
+    A plugin may register presets and parts that the manifest does not know, and part overrides must be
+    validated by the registries: either takes the full path.
+    """
+    if args.plugin:
+        return False
+    return args.command in ("methods", "parts") or (args.command == "explain" and not method_changes(args))
+
+
+def load_catalog(args: argparse.Namespace) -> dict[str, Any]:
+    """What `methods`, `parts` and `explain` print: the shipped manifest, else built from the live registries."""
+    from polyrl.manifest import build_manifest, load_manifest
+
+    manifest = load_manifest() if uses_manifest(args) else None
+    return manifest if manifest is not None else build_manifest()
 
 
 def cmd_methods(args: argparse.Namespace) -> int:
-    from polyrl.catalog import all_methods, method_dict, method_row
-
-    methods = all_methods()
+    methods = load_catalog(args)["methods"]
     if args.json:
-        print(json.dumps([method_dict(m) for m in methods], indent=2, default=str))
+        print(json.dumps([m["dict"] for m in methods], indent=2, default=str))
         return 0
-    table = Table(title=f"polyrl presets ({len(methods)})", show_lines=False)
-    rows = [method_row(m) for m in methods]
-    for col in rows[0]:
-        table.add_column(col, overflow="fold")
+    if args.wide:
+        table = Table(title=f"polyrl presets ({len(methods)})", show_lines=False)
+        rows, out = [m["row"] for m in methods], console
+    else:
+        # Related parts share a column, one per line, and a blank line separates presets: 100 columns are enough.
+        table = Table(title=f"polyrl presets ({len(methods)})", box=box.SIMPLE_HEAD, show_lines=True,
+                      show_edge=False, pad_edge=False)
+        rows, out = [m["compact"] for m in methods], narrow_console()
+    for i, col in enumerate(rows[0]):
+        # Compact: the name columns keep their width; trust region and other parts wrap after commas.
+        table.add_column(col, overflow="fold", no_wrap=not args.wide and i < 2)
     for r in rows:
         table.add_row(*r.values())
-    console.print(table)
-    console.print("Details: [bold]polyrl explain NAME[/]; overrides such as --trust-region dppo_tv:delta_low=0.1")
+    out.print(table)
+    out.print("Details: [bold]polyrl explain NAME[/]; overrides such as --trust-region dppo_tv:delta_low=0.1")
+    if not args.wide:
+        out.print("One column per part: [bold]polyrl methods --wide[/]")
     return 0
 
 
-def cmd_explain(args: argparse.Namespace) -> int:
-    from polyrl.catalog import explain_lines, method_dict
+def narrow_console() -> Console:
+    """The terminal's own width, or 100 columns when piped (the module's console is 200 wide there)."""
+    return console if sys.stdout.isatty() else Console(width=100)
 
-    method = method_from_args(args.name, args)
+
+def cmd_explain(args: argparse.Namespace) -> int:
+    if uses_manifest(args):
+        methods = {m["name"]: m for m in load_catalog(args)["methods"]}
+        if args.name not in methods:
+            raise unknown("method", args.name, methods)  # the message `get_method` gives
+        entry = methods[args.name]
+    else:
+        from polyrl.manifest import method_entry
+
+        entry = method_entry(method_from_args(args.name, args))
     if args.json:
-        print(json.dumps(method_dict(method), indent=2, default=str))
+        print(json.dumps(entry["dict"], indent=2, default=str))
         return 0
-    console.print(f"[bold]{method.name}[/] — {method.summary}")
-    console.print(f"paper: {method.paper}")
+    console.print(f"[bold]{entry['name']}[/] — {entry['summary']}")
+    console.print(f"paper: {entry['paper']}")
     table = Table(show_header=True)
     for col in ("part", "resolved", "non-default settings", "what it is"):
         table.add_column(col, overflow="fold")
-    for row in explain_lines(method):
+    for row in entry["explain"]:
         table.add_row(*row)
     console.print(table)
     return 0
 
 
 def cmd_parts(args: argparse.Namespace) -> int:
-    regs = [r for r in ALL_REGISTRIES if args.kind in (None, r.kind)]
-    if not regs:
-        raise PartError(f"unknown part kind {args.kind!r}; allowed: {', '.join(r.kind for r in ALL_REGISTRIES)}")
-    for reg in regs:
-        table = Table(title=reg.kind)
+    kinds = load_catalog(args)["parts"]
+    selected = [k for k in kinds if args.kind in (None, k["kind"])]
+    if not selected:
+        raise PartError(f"unknown part kind {args.kind!r}; allowed: {', '.join(k['kind'] for k in kinds)}")
+    for kind in selected:
+        table = Table(title=kind["kind"])
         for col in ("name", "settings (defaults)", "summary"):
             table.add_column(col, overflow="fold")
-        for spec in reg:
-            table.add_row(spec.name, ", ".join(f"{k}={v!r}" for k, v in spec.defaults.items()), spec.summary)
+        for part in kind["parts"]:
+            table.add_row(part["name"], part["settings"], part["summary"])
         console.print(table)
     return 0
 
 
 def cmd_docs(args: argparse.Namespace) -> int:
+    """Print docs/methods.md, or write / check it together with the catalog manifest the fast commands read."""
     from polyrl.catalog import render_methods_markdown
+    from polyrl.manifest import MANIFEST_PATH, build_manifest, render_manifest
 
     text = render_methods_markdown()
+    if not (args.check or args.write):
+        print(text)
+        return 0
+    if args.plugin:  # the shipped manifest must describe the built-in presets and parts only
+        raise ConfigError("docs --write / --check describe the built-in presets and parts: leave out --plugin")
+    docs = Path(args.check or args.write)
+    targets = {docs: text, Path(args.manifest or MANIFEST_PATH): render_manifest(build_manifest())}
     if args.check:
-        current = Path(args.check).read_text() if Path(args.check).exists() else ""
-        if current != text:
-            print(f"{args.check} is stale: run `polyrl docs --write {args.check}`", file=sys.stderr)
-            return 1
-        return 0
-    if args.write:
-        Path(args.write).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.write).write_text(text)
-        console.print(f"wrote {args.write}")
-        return 0
-    print(text)
+        stale = [p for p, t in targets.items() if not p.exists() or p.read_text() != t]
+        for p in stale:
+            print(f"{p} is stale: run `polyrl docs --write {docs}`", file=sys.stderr)
+        return 1 if stale else 0
+    for p, t in targets.items():
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(t)
+        console.print(f"wrote {p}")
     return 0
 
 
@@ -154,16 +208,43 @@ def cmd_warmstart(args: argparse.Namespace) -> int:
     return 0
 
 
-def resolve_train(args: argparse.Namespace):
-    """Config (TOML beneath flags), method with overrides, task and model directory, all validated."""
-    from polyrl.config import ConfigError, TrainConfig, build_config, load_toml, validate
+METHOD_OVERRIDES = ("advantage", "ratio", "trust_region", "aggregation", "kl", "kl_coef", "kl_placement", "anchor",
+                    "correction", "shaper", "filter")  # dests of add_method_args
+
+
+@dataclass
+class TrainPlan:
+    """A validated `polyrl train`: settings, method, task, run directory, and what a resume changes."""
+
+    cfg: Any  # TrainConfig
+    method: Any  # Method
+    task: Any  # Task
+    run_dir: str
+    overrides: dict[str, Any]  # part overrides as given (recorded in config.json)
+    changes: dict[str, list] = field(default_factory=dict)  # resume: {setting: [saved, new]}
+    resume_step: int | None = None  # resume: the checkpoint's step
+
+
+def resolve_train(args: argparse.Namespace) -> TrainPlan:
+    """Config (TOML beneath flags; on resume the run's own), method with overrides, task, run directory: validated."""
+    from polyrl.config import TrainConfig, build_config, load_toml, validate
     from polyrl.tasks import get_task
 
     values = load_toml(args.config) if args.config else {}
     values.update({k: v for k, v in vars(args).items() if k in TrainConfig.__dataclass_fields__ and v is not None})
+    if values.get("resume_from") is not None:
+        values["resume"] = True
+    overrides = {k: getattr(args, k) for k in METHOD_OVERRIDES if getattr(args, k, None) is not None}
+    given = build_config(values)
+    run_dir = given.run_dir or f"runs/{method_from_args(given.method, argparse.Namespace(**overrides)).name}-" \
+                               f"{given.task}-s{given.seed}"
+    changes: dict[str, list] = {}
+    if given.resume and not given.overwrite:
+        values, overrides, changes = _resume_settings(run_dir, values, overrides)
     cfg = build_config(values)
+    cfg.run_dir = run_dir
     validate(cfg)
-    method = method_from_args(cfg.method, args)
+    method = method_from_args(cfg.method, argparse.Namespace(**overrides))
     if method.needs_groups and cfg.group_size < 2:
         raise ConfigError(f"group_size = {cfg.group_size} is not allowed with advantage '{method.advantage.name}' "
                           "(a group estimator needs >= 2 completions per prompt)")
@@ -171,7 +252,7 @@ def resolve_train(args: argparse.Namespace):
         raise ConfigError(f"sampler = 'tree' needs a group advantage estimator and no group filters; method "
                           f"{method.name!r} has advantage {method.advantage.name!r} and filters "
                           f"{[f.name for f in method.filters]} (try --advantage grpo --filter none)")
-    if cfg.agency is not None and not method.corrections and getattr(args, "correction", None) is None:
+    if cfg.agency is not None and not method.corrections and "correction" not in overrides:
         # The behaviour policy is the baseline/learner mixture: importance weights pi_theta / mu keep the update
         # on-policy for the learner (truncated at C = 2, verl's default); an explicit --correction overrides.
         from polyrl.objectives import override
@@ -179,12 +260,10 @@ def resolve_train(args: argparse.Namespace):
         method = override(method, corrections=["tis"])
         console.print("agency transfer: adding the TIS correction (pi_theta / mixture, C = 2) to the method")
     try:
-        task = get_task(cfg.task, data_file=cfg.data_file)
-        if cfg.reward_funcs:
-            from polyrl.tasks.rewards import WithRewardChannels
+        task = get_task(cfg.task, data_file=cfg.data_file, heldout_percent=cfg.heldout_percent)
+        from polyrl.tasks.rewards import RewardChannels
 
-            weights = [float(w) for w in cfg.reward_weights.split(",")] if cfg.reward_weights else None
-            task = WithRewardChannels(task, [s.strip() for s in cfg.reward_funcs.split(",")], weights)
+        RewardChannels(task, *reward_specs(cfg))  # imports the reward functions now: a bad path fails here
     except (ValueError, FileNotFoundError, KeyError) as e:
         raise ConfigError(f"task = {cfg.task!r}: {e}") from None
     if cfg.tree_predictor == "likelihood" and not getattr(task, "exact_answer", False):
@@ -197,44 +276,82 @@ def resolve_train(args: argparse.Namespace):
 
         if not any((Path(cfg.model) / f).is_file() for f in TOKENIZER_FILES):
             raise ConfigError(f"model = {cfg.model!r} has no tokenizer ({' or '.join(TOKENIZER_FILES)})")
-    run_dir = cfg.run_dir or f"runs/{method.name}-{cfg.task}-s{cfg.seed}"
-    from polyrl.checkpoint import latest_checkpoint, verify_checkpoint
+    from polyrl.checkpoint import latest_checkpoint, resume_checkpoint, verify_checkpoint
 
-    latest = latest_checkpoint(run_dir)
     if cfg.resume and cfg.overwrite:
         raise ConfigError("resume = true and overwrite = true contradict each other; choose one")
+    plan = TrainPlan(cfg, method, task, run_dir, overrides, changes)
     if cfg.resume:
-        if latest is None:
-            raise ConfigError(f"resume = true but run_dir = {run_dir!r} has no checkpoint")
-        verify_checkpoint(latest)
+        checkpoint = resume_checkpoint(run_dir, cfg.resume_from)
+        cfg.resume_from, plan.resume_step = str(checkpoint), int(verify_checkpoint(checkpoint)["step"])
     elif cfg.overwrite:
         shutil.rmtree(run_dir, ignore_errors=True)
-    elif latest is not None:
+    elif latest_checkpoint(run_dir) is not None:
         raise ConfigError(f"run_dir = {run_dir!r} already holds checkpoints; pass --resume to continue it, "
                           "--overwrite to start over, or another --run-dir")
-    return cfg, method, task, run_dir
+    return plan
+
+
+def _resume_settings(run_dir: str, values: dict[str, Any], overrides: dict[str, Any]):
+    """The run's own settings and part overrides (config.json), with the changes a resume may make."""
+    from polyrl.runs import CONFIG, RESUME_MAY_CHANGE, resume_values, saved_record
+
+    record = saved_record(run_dir)
+    if record is None:
+        if Path(run_dir).is_dir():  # started from Python (train()): no record, so the flags given are the settings
+            console.print(f"[yellow]{run_dir} has no {CONFIG}: resuming with the settings given on this command[/]")
+        return values, overrides, {}
+    merged, changes = resume_values(record["config"], values, what=f" ({run_dir}/{CONFIG})")
+    saved_overrides = record.get("overrides")
+    if saved_overrides is not None:  # runs recorded before part overrides were saved accept the ones given
+        for key, new in overrides.items():
+            if saved_overrides.get(key) != new:
+                flag, old = "--" + key.replace("_", "-"), saved_overrides.get(key)
+                raise ConfigError(f"{flag} {new!r} differs from the run's own "
+                                  f"{'(the preset' + chr(39) + 's)' if old is None else repr(old)} "
+                                  f"({run_dir}/{CONFIG}); a resume keeps the run's settings and method (may change: "
+                                  f"{', '.join(RESUME_MAY_CHANGE)}): drop the flag, or start a new run with another "
+                                  "--run-dir")
+        overrides = dict(saved_overrides)
+    return merged, overrides, changes
+
+
+def reward_specs(cfg) -> tuple[list[str], list[float] | None]:
+    """The reward channels of ``cfg``: function specs (default: the task's checker) and their weights."""
+    specs = [s.strip() for s in cfg.reward_funcs.split(",")] if cfg.reward_funcs else ["task"]
+    try:
+        weights = [float(w) for w in cfg.reward_weights.split(",")] if cfg.reward_weights else None
+    except ValueError:
+        raise ConfigError(f"reward_weights = {cfg.reward_weights!r} must be comma-separated numbers") from None
+    return specs, weights
 
 
 def cmd_train(args: argparse.Namespace) -> int:
     from polyrl.catalog import method_dict
     from polyrl.config import to_dict
+    from polyrl.runs import record_resume, write_record
     from polyrl.trainer import train
 
-    cfg, method, task, run_dir = resolve_train(args)
-    model_dir = cfg.model
-    if model_dir is None:
+    plan = resolve_train(args)
+    cfg, method, task, run_dir = plan.cfg, plan.method, plan.task, plan.run_dir
+    if cfg.model is None:
         from polyrl.tinylm import warmstart
 
         ws = warmstart(cfg.task, cache_dir() / "warmstart", seed=0)
-        model_dir = ws.path
-        console.print(f"warm start: {model_dir} ({'cached' if ws.cached else f'{ws.seconds:.0f} s'}, "
+        cfg.model = ws.path
+        console.print(f"warm start: {cfg.model} ({'cached' if ws.cached else f'{ws.seconds:.0f} s'}, "
                       f"accuracy {ws.accuracy:.3f})")
     Path(run_dir).mkdir(parents=True, exist_ok=True)
-    resolved = {"config": {**to_dict(cfg), "model": model_dir, "run_dir": run_dir}, "method": method_dict(method)}
-    (Path(run_dir) / "config.json").write_text(json.dumps(resolved, indent=2, default=str))
-    console.print_json(json.dumps(resolved["config"]))
+    if cfg.resume:
+        record_resume(run_dir, plan.resume_step, cfg.resume_from, plan.changes)
+        said = "; ".join(f"{k} {old} -> {new}" for k, (old, new) in plan.changes.items())
+        console.print(f"resuming {run_dir} from {cfg.resume_from} with its own settings"
+                      + (f" (changed: {said})" if said else ""))
+    else:
+        write_record(run_dir, {"config": to_dict(cfg), "method": method_dict(method), "overrides": plan.overrides})
+        console.print_json(json.dumps(to_dict(cfg)))
     console.print(f"method: {method.name} = " + "; ".join(f"{k} {v}" for k, v in method.parts().items() if v))
-    summary = train(cfg, method, model_dir=model_dir, task=task, run_dir=run_dir, console=console)
+    summary = train(cfg, method, model_dir=cfg.model, task=task, run_dir=run_dir, console=console)
     table = Table(title=f"{method.name} on {task.name}")
     for col in ("held-out accuracy before", "after", "steps", "s/step", "rollouts/s", "wall s"):
         table.add_column(col, justify="right")
@@ -249,9 +366,47 @@ def cmd_train(args: argparse.Namespace) -> int:
 class OneLineParser(argparse.ArgumentParser):
     """argparse, but a usage error is one line (naming the option and value) and exit code 2."""
 
+    subcommands: Any = None  # the action of add_subparsers: command name -> its parser
+
     def error(self, message: str):  # type: ignore[override]
         print(f"{self.prog}: error: {message}", file=sys.stderr)
         raise SystemExit(2)
+
+    def add_subparsers(self, **kwargs):
+        self.subcommands = super().add_subparsers(**kwargs)
+        return self.subcommands
+
+    def parse_args(self, args=None, namespace=None):  # type: ignore[override]
+        """argparse's, with a did-you-mean for misspelled flags (see ``unrecognized``)."""
+        parsed, extra = self.parse_known_args(args, namespace)
+        if extra:
+            self.error(self.unrecognized(parsed, extra))
+        return parsed
+
+    def command_parser(self, args: argparse.Namespace) -> argparse.ArgumentParser:
+        """The parser of the (sub)command that ``args`` selected: the one that knows its options."""
+        parser = self
+        while (action := getattr(parser, "subcommands", None)) is not None:
+            chosen = action.choices.get(getattr(args, action.dest, None))
+            if chosen is None:
+                break
+            parser = chosen
+        return parser
+
+    def unrecognized(self, args: argparse.Namespace, extra: Sequence[str]) -> str:
+        """argparse's message for leftover arguments, with the command's closest option for each unknown flag."""
+        options = [s for action in self.command_parser(args)._actions for s in action.option_strings]
+        words, value_may_follow = [], False
+        for token in extra:
+            if token.startswith("--") or (token.startswith("-") and token[1:2].isalpha()):
+                near = difflib.get_close_matches(token.split("=", 1)[0], options, n=1)
+                words.append(token + (f" (did you mean {near[0]}?)" if near else ""))
+                value_may_follow = "=" not in token
+            elif value_may_follow:  # most likely the unknown flag's value: naming the flag says enough
+                value_may_follow = False
+            else:
+                words.append(token)
+        return "unrecognized arguments: " + " ".join(words)
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
@@ -288,13 +443,22 @@ def cmd_compare(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(*, flow: bool = True) -> OneLineParser:
+    """The `polyrl` parser; with ``flow=False`` the `flow` command is a placeholder that only parses its name.
+
+    The real `flow` parser lists the flow presets, tasks and defaults, which imports torch: ``main`` builds it only
+    when the command is `flow`, so that every other command (and `--help`) starts fast.
+    """
+    from polyrl.flow.cli import FLOW_HELP, add_flow_parser
+
     parser = OneLineParser(prog="polyrl", description=__doc__.splitlines()[0])
     parser.add_argument("--plugin", action="append", default=[], metavar="MODULE",
                         help="import MODULE first, so that its registered parts and presets are available")
     sub = parser.add_subparsers(dest="command", required=True)
-    from polyrl.flow.cli import add_flow_parser
-    add_flow_parser(sub)
+    if flow:
+        add_flow_parser(sub)
+    else:
+        sub.add_parser("flow", help=FLOW_HELP, add_help=False)
 
     from polyrl.config import add_config_args
 
@@ -332,6 +496,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("methods", help="list every preset with its parts")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--wide", action="store_true", help="one column per part (about 180 columns wide)")
     p.set_defaults(fn=cmd_methods)
 
     p = sub.add_parser("explain", help="show a preset's resolved parts, parameters, defaults and paper")
@@ -344,28 +509,36 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("kind", nargs="?", help="one of: " + ", ".join(r.kind for r in ALL_REGISTRIES))
     p.set_defaults(fn=cmd_parts)
 
-    p = sub.add_parser("docs", help="generate docs/methods.md from the presets and registries")
+    p = sub.add_parser("docs", help="generate docs/methods.md and the catalog manifest from the presets and registries")
     g = p.add_mutually_exclusive_group()
-    g.add_argument("--write", metavar="PATH", help="write the markdown to PATH")
-    g.add_argument("--check", metavar="PATH", help="exit 1 if PATH differs from the generated text")
+    g.add_argument("--write", metavar="PATH", help="write the markdown to PATH, and the catalog manifest")
+    g.add_argument("--check", metavar="PATH",
+                   help="exit 1 if PATH or the catalog manifest differs from the generated text")
+    p.add_argument("--manifest", metavar="PATH",
+                   help="the catalog manifest to write or check (default: polyrl/catalog.json in the package)")
     p.set_defaults(fn=cmd_docs)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser(flow=False)
     args, extra = parser.parse_known_args(argv)
+    if args.command == "flow":  # its real parser imports torch, so it is built only now
+        parser = build_parser()
+        args, extra = parser.parse_known_args(argv)
     if extra:
         if args.command != "compare":
-            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+            parser.error(parser.unrecognized(args, extra))
         args.extra = extra  # shared `polyrl train` flags, validated per method before any run
     try:
         for module in args.plugin:
             load_plugin(module)
-        import polyrl.methods  # noqa: F401  (registers every built-in part and preset)
+        if not uses_manifest(args):
+            import polyrl.methods  # noqa: F401  (registers every built-in part and preset; imports torch)
 
         return int(args.fn(args) or 0)
-    except (PartError, ConfigError, CheckpointError, FileNotFoundError) as e:
+    except (PartError, ConfigError, CheckpointError, FileNotFoundError, RewardError) as e:
         print(f"polyrl: error: {e}", file=sys.stderr)
         return 2
     except TrainingError as e:  # the run itself failed, not its configuration

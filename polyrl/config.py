@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
+import difflib
 import inspect
 import os
 import textwrap
@@ -34,7 +35,10 @@ class TrainConfig:
     task: str = "addition"
     """task name: addition, addition_mixed, calculator (tool use), countdown, math (needs --data-file)"""
     data_file: str | None = None
-    """JSONL or Parquet file with prompt/answer columns for the math task"""
+    """math task: local JSONL, JSON or Parquet file with a question (or problem, prompt) and an answer (or solution,
+    ground_truth) column"""
+    heldout_percent: int = 10
+    """math task: percent of the data file's rows held out for evaluation (chosen by a hash of the question)"""
     reward_funcs: str | None = None
     """comma-separated reward functions (module:function or file.py:function; 'task' = the task's checker)"""
     reward_weights: str | None = None
@@ -121,7 +125,9 @@ class TrainConfig:
     checkpoint_every: int = 50
     """save an atomic checkpoint every N steps (0 = only at the end)"""
     resume: bool = False
-    """continue from the newest checkpoint in run_dir"""
+    """continue from the newest checkpoint in run_dir with the run's own settings (its config.json)"""
+    resume_from: str | None = None
+    """continue from this checkpoint directory of run_dir instead of the newest (implies --resume)"""
     overwrite: bool = False
     """delete an existing run_dir first (otherwise a run_dir with checkpoints needs --resume)"""
     seed: int = 0
@@ -194,7 +200,10 @@ def load_toml(path: str | os.PathLike, cls: type = TrainConfig) -> dict[str, Any
     for key, value in data.items():
         name = key.replace("-", "_")
         if name not in known and not isinstance(value, dict):
-            raise ConfigError(f"config file {str(p)!r}: unknown field {key!r}; allowed: {', '.join(sorted(known))}")
+            near = difflib.get_close_matches(name, known, n=1)
+            hint = f" (did you mean {near[0]!r}?)" if near else ""
+            raise ConfigError(f"config file {str(p)!r}: unknown field {key!r}{hint}; "
+                              f"allowed: {', '.join(sorted(known))}")
         out[name] = value
     return out
 
@@ -296,6 +305,11 @@ def validate(cfg: TrainConfig) -> None:
         _rule("model", cfg.model, Path(cfg.model).is_dir(), "must be an existing local model directory")
     if cfg.data_file is not None:
         _rule("data_file", cfg.data_file, Path(cfg.data_file).is_file(), "must be an existing JSONL or Parquet file")
+    _rule("heldout_percent", cfg.heldout_percent, 1 <= cfg.heldout_percent <= 50,
+          "must be an integer in [1, 50] (training evaluates on the held-out rows)")
+    _rule("heldout_percent", cfg.heldout_percent,
+          cfg.data_file is not None or cfg.heldout_percent == default.heldout_percent,
+          "only applies to a task read from --data-file")
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:

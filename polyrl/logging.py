@@ -13,11 +13,13 @@ import math
 import os
 import resource
 import sys
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 # Columns of the compact console table: (metric, header, format)
@@ -58,19 +60,23 @@ class RunLogger:
         console: Console | None = None,
         table_every: int = 10,
         config: Mapping[str, Any] | None = None,
+        history: list[dict[str, float]] | None = None,
+        purge_step: int | None = None,
     ):
+        """``history``: rows already in ``metrics.jsonl`` (a resumed run); ``purge_step``: TensorBoard hides the
+        events of this step and later that an earlier, killed attempt wrote (they are being redone)."""
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.console = console or Console()
         self.table_every = table_every
         self._jsonl = open(self.run_dir / "metrics.jsonl", "a")
         self._rows: list[dict[str, Any]] = []
-        self.history: list[dict[str, float]] = []
+        self.history: list[dict[str, float]] = list(history or [])
         self._tb = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(str(self.run_dir / "tb"))
+            self._tb = SummaryWriter(str(self.run_dir / "tb"), purge_step=purge_step)
         self._wandb = None
         if wandb:
             os.environ.setdefault("WANDB_MODE", "offline")
@@ -123,6 +129,44 @@ class RunLogger:
             self._tb.close()
         if self._wandb is not None:
             self._wandb.finish()
+
+
+class StepProgress:
+    """Progress of a loop of ``total`` steps: rich's live bar on a terminal, else a plain line every ``every_s``.
+
+    Rich's live display writes nothing to a pipe, a log file or CI until it ends, so a long run that is not
+    watched on a terminal would look dead; there it prints ``label k/N  info  elapsed`` lines instead.
+    """
+
+    def __init__(self, console: Console, label: str, total: int, completed: int = 0, every_s: float = 10.0):
+        self.console, self.label, self.total, self.every_s = console, label, total, every_s
+        self.done, self._started = completed, time.perf_counter()
+        self._last = self._started
+        self._bar = None
+        if console.is_terminal:
+            self._bar = Progress(TextColumn(f"[bold]{label}"), BarColumn(), MofNCompleteColumn(),
+                                 TimeElapsedColumn(), TextColumn("{task.fields[info]}"), console=console)
+            self._job = self._bar.add_task(label, total=total, completed=completed, info="")
+
+    def __enter__(self) -> StepProgress:
+        if self._bar is not None:
+            self._bar.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._bar is not None:
+            self._bar.__exit__(*exc)
+
+    def update(self, completed: int, info: str = "") -> None:
+        self.done = completed
+        if self._bar is not None:
+            self._bar.update(self._job, completed=completed, info=info)
+            return
+        now = time.perf_counter()
+        if now - self._last >= self.every_s or completed >= self.total:
+            self._last = now
+            self.console.print(f"{self.label} {completed}/{self.total}  {info}  {now - self._started:.0f} s",
+                               highlight=False)
 
 
 def write_summary(run_dir: str | Path, summary: Mapping[str, Any]) -> Path:

@@ -14,7 +14,7 @@ from typing import Any
 
 from polyrl import objectives, shaping  # noqa: F401  (imported to register every part)
 from polyrl.objectives import Method, build_method, override
-from polyrl.registry import unknown
+from polyrl.registry import Part, unknown
 
 PRESETS: dict[str, Callable[[], Method]] = {}
 
@@ -36,7 +36,36 @@ def get_method(name: str, **overrides: Any) -> Method:
     if name not in PRESETS:
         raise unknown("method", name, PRESETS)
     method = PRESETS[name]()
-    return override(method, **overrides) if overrides else method
+    if not overrides:
+        return method
+    composed = override(method, **overrides)
+    return replace(composed, name=composed_name(method, composed))
+
+
+def composed_name(preset_method: Method, method: Method) -> str:
+    """Label a preset with overrides by what changed: ``grpo+dppo_tv``, ``dapo+no_filters``, ``grpo+clip:eps_high=0.3``.
+
+    A part replaced by another is named; one whose settings changed is written with them. The label names the run
+    directory, the banner and ``summary.json``, so a composed method is never reported as its preset.
+    """
+    changed = []
+    for kind in ("advantage", "ratio", "trust_region", "aggregation", "kl"):
+        old, new = getattr(preset_method, kind), getattr(method, kind)
+        if old == new:
+            continue
+        if new is None or old is None or old.name != new.name:
+            changed.append(f"no_{kind}" if new is None else new.name)
+        else:  # same part, other settings: name the ones that changed
+            diff = {k: v for k, v in new.params.items() if old.params.get(k) != v}
+            changed.append(str(Part(new.kind, new.name, diff)))
+    for kind in ("corrections", "shapers", "filters"):
+        old, new = getattr(preset_method, kind), getattr(method, kind)
+        if old != new:
+            changed.append("-".join(p.name for p in new) if new else f"no_{kind}")
+    for key in ("kl_coef", "kl_placement", "anchor"):
+        if getattr(preset_method, key) != getattr(method, key) and not (key == "kl_coef" and method.kl is None):
+            changed.append(f"{key}={getattr(method, key)}")
+    return "+".join([preset_method.name, *changed])
 
 
 # --- REINFORCE family -------------------------------------------------------------------------

@@ -62,6 +62,9 @@ def load_policy(model_dir: str | Path, *, dtype: DType = "float32", threads: int
         raise ValueError(f"threads must be >= 1, got {threads}")
     torch.set_num_threads(threads if threads is not None else (os.cpu_count() or 1))
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # a local load takes milliseconds; its bar would only clutter stderr
     model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], local_files_only=True)
     model.eval()
     return model, tokenizer

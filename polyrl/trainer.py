@@ -23,13 +23,13 @@ from typing import Any
 import numpy as np
 import torch
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from polyrl.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from polyrl.checkpoint import latest_checkpoint, load_checkpoint, remove_partial_saves, save_checkpoint
 from polyrl.config import TrainConfig, to_dict
+from polyrl.errors import RewardError
 from polyrl.guard import make_monitor, roll_back
 from polyrl.learner import LocalLearner, TokenBatch, ValueHead, boundary_token_ids, sample_ref_logp, segment_ids
-from polyrl.logging import RunLogger, peak_rss_mb, plot_curves, write_summary
+from polyrl.logging import RunLogger, StepProgress, peak_rss_mb, plot_curves, write_summary
 from polyrl.objectives import Method, kl_reward_penalty
 from polyrl.objectives.objective import masked_mean
 from polyrl.objectives.token_advantages import gae_advantages_and_returns
@@ -41,7 +41,9 @@ from polyrl.rollout.generator import SamplingParams
 from polyrl.rollout.hf import HFGenerator
 from polyrl.rollout.pipeline import AsyncPipeline, prefetched
 from polyrl.rollout.tree import TreeSampler, tree_advantages
+from polyrl.runs import cut_logs, read_rows
 from polyrl.tasks.base import Prompt, Task
+from polyrl.tasks.rewards import RewardChannels
 from polyrl.update import Scored, update_policy
 
 
@@ -69,7 +71,8 @@ class Components:
     learner: LocalLearner
     generator: HFGenerator
     runner: EpisodeRunner  # samples single-turn completions or multi-turn tool episodes with the generator
-    task: Task
+    task: Task  # evaluation uses its own verifier (task.reward)
+    rewards: RewardChannels  # training rewards: the task's checker and reward functions, one call per batch
     draw: Callable[[int, int], list[tuple[int, Prompt]]]  # training prompt stream
     boundaries: frozenset[int]  # token ids that end a sub-sentence (segment ids for SSPO)
     reference: torch.nn.Module | None = None  # frozen (or synced) reference policy
@@ -155,6 +158,8 @@ def train(cfg: TrainConfig, method: Method, *, model_dir: str, task: Task, run_d
     """Run RL training as configured; return the summary also written to ``run_dir/summary.json``."""
     console = console or Console()
     _seed_everything(cfg.seed)
+    rewards = RewardChannels(task, [s.strip() for s in cfg.reward_funcs.split(",")] if cfg.reward_funcs else ["task"],
+                             [float(w) for w in cfg.reward_weights.split(",")] if cfg.reward_weights else None)
     from polyrl.model import load_policy
 
     policy, tokenizer = load_policy(model_dir, dtype=cfg.dtype, threads=_trainer_threads(cfg))
@@ -179,7 +184,8 @@ def train(cfg: TrainConfig, method: Method, *, model_dir: str, task: Task, run_d
     extra = {"critic": critic} if critic is not None else {}
     if reference is not None and method.ref_sync_every:
         extra["reference"] = reference  # a synced reference is state; a frozen one is the starting model
-    resume_from = latest_checkpoint(run) if cfg.resume else None
+    remove_partial_saves(run)  # .tmp_step_* of a save that was killed
+    resume_from = Path(cfg.resume_from) if cfg.resume_from else latest_checkpoint(run) if cfg.resume else None
     if resume_from is not None:
         saved = load_checkpoint(resume_from, model=policy, optimizer=learner.optimizer, scheduler=learner.scheduler,
                                 extra_models=extra)
@@ -187,9 +193,11 @@ def train(cfg: TrainConfig, method: Method, *, model_dir: str, task: Task, run_d
         state = TrainState(**saved)
         if critic_opt is not None and critic_opt_state is not None:
             critic_opt.load_state_dict(critic_opt_state)
-        console.print(f"resumed from {resume_from} at step {state.step}")
+        dropped = cut_logs(run, state.step)  # rows of steps after the checkpoint are redone now
+        console.print(f"resumed from {resume_from} at step {state.step}"
+                      + (f" ({dropped} logged rows after it dropped)" if dropped else ""))
 
-    parts = Components(learner=learner, generator=generator, runner=runner, task=task, draw=draw,
+    parts = Components(learner=learner, generator=generator, runner=runner, task=task, rewards=rewards, draw=draw,
                        boundaries=boundary_token_ids(tokenizer), reference=reference, critic=critic,
                        critic_opt=critic_opt, topk=TOPK if method.needs_topk else 0)
     if cfg.sampler == "tree":
@@ -203,12 +211,15 @@ def train(cfg: TrainConfig, method: Method, *, model_dir: str, task: Task, run_d
                                  embed=embed, likelihood=exact)
     if cfg.async_staleness:
         parts.pipeline = AsyncPipeline(model_dir, task_name=cfg.task, data_file=cfg.data_file,
+                                       heldout_percent=cfg.heldout_percent,
                                        staleness=cfg.async_staleness, dtype=cfg.dtype, fp32_head=cfg.fp32_lm_head,
                                        threads=_generator_threads(cfg), weights=policy.state_dict(), version=state.step,
                                        reference=reference is not None and not method.ref_sync_every,
                                        micro_batch_size=cfg.micro_batch_size, **learner.sampling)
     logger = RunLogger(run, tensorboard=cfg.tensorboard, wandb=cfg.wandb, console=console,
-                       table_every=cfg.log_every, config=to_dict(cfg))
+                       table_every=cfg.log_every, config=to_dict(cfg),
+                       history=read_rows(run) if resume_from is not None else None,
+                       purge_step=state.step + 1 if resume_from is not None else None)
     if state.eval_before is None:
         first, state.solved_before = evaluate_all(parts, eval_prompts, cfg.max_new_tokens, state.step)
         state.eval_before = first["eval/accuracy"]
@@ -219,12 +230,17 @@ def train(cfg: TrainConfig, method: Method, *, model_dir: str, task: Task, run_d
     started = time.perf_counter()
     steps_done = rollouts = 0
     step_seconds = 0.0  # time inside RL steps only (no evaluation or checkpointing)
-    with Progress(TextColumn("[bold]RL"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  TextColumn("{task.fields[info]}"), console=console, transient=False) as bar:
-        task_bar = bar.add_task("train", total=cfg.steps, completed=state.step, info="")
+    with StepProgress(console, "RL step", cfg.steps, completed=state.step) as bar:
         while state.step < cfg.steps:
             t0 = time.perf_counter()
-            metrics = rl_step(cfg, method, state, parts)
+            try:
+                metrics = rl_step(cfg, method, state, parts)
+            except RewardError as e:  # one line on the console; the reward function's traceback in the run dir
+                e.step, e.log_path = state.step, str(run / "errors.log")
+                if e.traceback:
+                    with open(e.log_path, "a") as log:
+                        log.write(f"{e}\n{e.traceback}\n")
+                raise
             state.step += 1
             steps_done += 1
             rollouts += int(metrics["rollout/generated"])
@@ -240,11 +256,11 @@ def train(cfg: TrainConfig, method: Method, *, model_dir: str, task: Task, run_d
                 state = roll_back(run, state, learner, extra, critic_opt, cfg, reason, console)
                 monitor = make_monitor(logger.history, state.step)
                 logger.log(state.step, {"guard/rollbacks": state.rollbacks, "guard/lr": learner.lr})
-                bar.update(task_bar, completed=state.step)
+                bar.update(state.step)
                 continue
             if cfg.log_every and state.step % cfg.log_every == 0 and state.last_samples:
                 logger.samples(state.step, state.last_samples)
-            bar.update(task_bar, advance=1, info=f"reward {metrics.get('reward/mean', float('nan')):.3f}")
+            bar.update(state.step, info=f"reward {metrics.get('reward/mean', float('nan')):.3f}")
             if cfg.checkpoint_every and state.step % cfg.checkpoint_every == 0 and state.step < cfg.steps:
                 save_checkpoint(run, state.step, **learner.state(), state=_state_dict(state, critic_opt),
                                 extra_models=extra)
@@ -302,10 +318,10 @@ def rl_step(cfg: TrainConfig, method: Method, state: TrainState, parts: Componen
     sample = parts.runner.sample if parts.pipeline is None else prefetched(parts.pipeline, parts.runner, state.step)
     try:
         if parts.tree is not None:
-            batch = parts.tree.collect(parts.task, method, draw_next, num_groups=cfg.prompts_per_step, params=params,
+            batch = parts.tree.collect(parts.rewards, method, draw_next, num_groups=cfg.prompts_per_step, params=params,
                                        history=state.history, step=state.step)
         else:
-            batch = collect(sample, parts.task, method, draw_next, num_groups=cfg.prompts_per_step, params=params,
+            batch = collect(sample, parts.rewards, method, draw_next, num_groups=cfg.prompts_per_step, params=params,
                             history=state.history, max_rounds=cfg.max_gen_rounds)
     except NoUsableGroups as e:  # dynamic sampling found no group with signal: no update this step
         state.empty_steps += 1

@@ -77,6 +77,7 @@ def test_plugin_file_registers_a_part(tmp_path):
 def test_docs_check_detects_staleness(tmp_path):
     stale = tmp_path / "methods.md"
     stale.write_text("old\n")
-    assert run("docs", "--check", str(stale)).returncode == 1
-    assert run("docs", "--write", str(stale)).returncode == 0
-    assert run("docs", "--check", str(stale)).returncode == 0
+    manifest = ["--manifest", str(tmp_path / "catalog.json")]  # not the package's own
+    assert run("docs", "--check", str(stale), *manifest).returncode == 1
+    assert run("docs", "--write", str(stale), *manifest).returncode == 0
+    assert run("docs", "--check", str(stale), *manifest).returncode == 0

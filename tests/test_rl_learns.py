@@ -1,6 +1,6 @@
 """RL improves a warm-started model: GRPO from the committed warm-start fixture, several seeds.
 
-The fixture (tests/fixtures/addition-warmstart) is the output of `polyrl warmstart --task addition`
+The shipped warm start (polyrl/warmstarts/addition) is the output of `polyrl warmstart --task addition`
 (hidden 128, 4 layers, held-out greedy accuracy 0.375 when it first crossed 0.30).
 """
 
@@ -18,7 +18,7 @@ from polyrl.methods import get_method
 from polyrl.tasks import get_task
 from polyrl.trainer import train
 
-FIXTURE = Path(__file__).parent / "fixtures" / "addition-warmstart"
+FIXTURE = Path(__file__).parent.parent / "polyrl" / "warmstarts" / "addition"
 
 
 @pytest.mark.slow

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 from collections import Counter
 
 import pytest
@@ -10,6 +11,7 @@ import torch
 
 from polyrl.model import completion_logprobs, load_policy
 from polyrl.rollout import HFGenerator, SamplingParams
+from polyrl.rollout.hf import _cache_keyword
 from polyrl.tasks import TASKS, AdditionTask, Prompt, get_task
 from polyrl.tinylm import build_tiny_llama
 
@@ -150,6 +152,25 @@ def test_load_weights(policy, tmp_path):
     ]
     with pytest.raises(RuntimeError, match="Missing key"):
         generator.load_weights({"lm_head.weight": other.lm_head.weight})
+
+
+def test_decoding_passes_the_cache_without_deprecation_warnings(policy):
+    model, tokenizer = policy
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)  # transformers warns on the deprecated `past_key_values`
+        warnings.simplefilter("error", DeprecationWarning)
+        samples = HFGenerator(model, tokenizer).generate(PROMPTS, SamplingParams(max_new_tokens=4, temperature=0.0))
+    assert len(samples) == len(PROMPTS)
+
+
+def test_cache_keyword_follows_the_model_signature():
+    class Current:
+        def forward(self, input_ids, *, cache=None, use_cache=None): ...
+
+    class Older:
+        def forward(self, input_ids, *, past_key_values=None, use_cache=None): ...
+
+    assert (_cache_keyword(Current), _cache_keyword(Older)) == ("cache", "past_key_values")
 
 
 def test_sampling_params_validation():

@@ -15,7 +15,6 @@ from polyrl.methods import get_method
 from polyrl.objectives import override
 from polyrl.tasks import CalculatorTask
 from polyrl.tasks.arithmetic import AdditionTask
-from polyrl.tasks.rewards import WithRewardChannels
 from polyrl.tinylm import build_tiny_llama
 from polyrl.trainer import train
 
@@ -33,11 +32,14 @@ def models(tmp_path_factory):
 def _cfg(**kw) -> TrainConfig:
     base = dict(steps=3, prompts_per_step=2, group_size=4, max_new_tokens=6, eval_prompts=8, eval_every=0,
                 checkpoint_every=0, tensorboard=False, log_every=0, lr=1e-3, warmup_steps=0, threads=1)
-    return TrainConfig(**{**base, **kw})
+    return TrainConfig(**{**base, "reward_funcs": DENSE, **kw})
+
+
+DENSE = "tests.reward_fns:digit_fraction"  # a dense reward: every group has variance
 
 
 def _task():
-    return WithRewardChannels(AdditionTask(), ["tests.reward_fns:digit_fraction"])  # dense: every group has variance
+    return AdditionTask()
 
 
 def _rows(run_dir):
@@ -46,8 +48,10 @@ def _rows(run_dir):
 
 @pytest.mark.parametrize("predictor,branch", [("history", True), ("likelihood", False)])
 def test_tree_sampler_keeps_the_rollout_budget(models, tmp_path, predictor, branch):
-    task = _task() if predictor == "history" else AdditionTask()  # likelihood: a reward that is the exact answer
-    train(_cfg(sampler="tree", train_prompts=4, tree_predictor=predictor, tree_branch=branch), get_method("grpo"),
+    dense = DENSE if predictor == "history" else None  # likelihood: a reward that is the exact answer
+    task = _task()
+    train(_cfg(sampler="tree", train_prompts=4, tree_predictor=predictor, tree_branch=branch, reward_funcs=dense),
+          get_method("grpo"),
           model_dir=models[0], task=task, run_dir=str(tmp_path), console=QUIET)
     steps = [r for r in _rows(tmp_path) if "reward/mean" in r]
     assert len(steps) == 3
@@ -85,7 +89,7 @@ def test_async_staleness_never_exceeds_k(models, tmp_path, monkeypatch):
 
 
 def test_calculator_task_trains_with_the_turn_ratio(models, tmp_path):
-    summary = train(_cfg(max_new_tokens=12), get_method("grpo", ratio="turn"), model_dir=models[0],
+    summary = train(_cfg(max_new_tokens=12, reward_funcs=None), get_method("grpo", ratio="turn"), model_dir=models[0],
                     task=CalculatorTask(), run_dir=str(tmp_path), console=QUIET)
     assert summary["steps"] == 3 and summary["skipped_steps"] == 0
 

@@ -9,7 +9,7 @@ import pytest
 
 from polyrl.tasks.countdown import CountdownError, CountdownTask, evaluate_expression
 from polyrl.tasks.math import MathTask
-from polyrl.tasks.rewards import WithRewardChannels, load_callable
+from polyrl.tasks.rewards import RewardChannels, load_callable
 
 
 def test_countdown_checker_accepts_any_valid_expression():
@@ -68,7 +68,7 @@ def test_math_task_from_jsonl_and_parquet(tmp_path):
     task = MathTask(str(tmp_path / "m.jsonl"))
     train, test = task.prompts("train", 40, 0), task.prompts("test", 3, 0)
     assert not {p.id for p in train} & {p.id for p in test}
-    half = MathTask(str(tmp_path / "m.jsonl"), test_percent=0)
+    half = MathTask(str(tmp_path / "m.jsonl"), heldout_percent=0)
     p = next(p for p in half.prompts("train", 61, 0) if "Half" in p.text)
     assert half.reward(p, "It is 0.5")[0] == 1.0
     assert half.reward(p, "It is 0.25")[0] == 0.0
@@ -78,7 +78,7 @@ def test_math_task_from_jsonl_and_parquet(tmp_path):
 
     pq.write_table(pa.table({"problem": [r["question"] for r in rows], "solution": [r["answer"] for r in rows]}),
                    tmp_path / "m.parquet")
-    assert len(MathTask(str(tmp_path / "m.parquet"), test_percent=0).prompts("train", 61, 0)) == 61
+    assert len(MathTask(str(tmp_path / "m.parquet"), heldout_percent=0).prompts("train", 61, 0)) == 61
 
 
 def test_math_task_names_a_missing_column(tmp_path):
@@ -94,10 +94,11 @@ def test_reward_functions_by_import_path_and_channels(tmp_path):
         "def short(prompts, completions, **kw):\n    return [1.0 if len(c) < 3 else 0.0 for c in completions]\n")
     fn = load_callable(f"{tmp_path / 'my_rewards.py'}:short")
     assert fn(prompts=["a"], completions=["xy"]) == [1.0]
-    task = WithRewardChannels(CountdownTask(), ["task", f"{tmp_path / 'my_rewards.py'}:short"], [1.0, 0.5])
+    task = CountdownTask()
+    rewards = RewardChannels(task, ["task", f"{tmp_path / 'my_rewards.py'}:short"], [1.0, 0.5])
     p = task.prompts("train", 1, 0)[0]
-    total, info = task.reward(p, "1")
-    assert info["channels"][1] == 1.0 and total == pytest.approx(info["channels"][0] + 0.5)
+    out = rewards([p], ["1"])
+    assert out.channels[0][1] == 1.0 and out.total[0] == pytest.approx(out.channels[0][0] + 0.5)
     for bad, why in [("nomodule_xyz:f", "cannot import"), ("polyrl.tasks:nothing", "no callable"), ("f", "write it")]:
         with pytest.raises(ValueError, match=why):
             load_callable(bad)

@@ -13,7 +13,6 @@ from polyrl.cli import main
 from polyrl.config import TrainConfig
 from polyrl.methods import PRESETS, get_method
 from polyrl.tasks.arithmetic import AdditionTask
-from polyrl.tasks.rewards import WithRewardChannels
 from polyrl.tinylm import build_tiny_llama
 from polyrl.trainer import train
 
@@ -28,12 +27,15 @@ def tiny_model(tmp_path_factory):
 def _cfg(**kw) -> TrainConfig:
     base = dict(steps=2, prompts_per_step=2, group_size=4, max_new_tokens=6, eval_prompts=8, eval_every=0,
                 checkpoint_every=0, tensorboard=False, log_every=0, lr=1e-3, warmup_steps=0, threads=1)
-    return TrainConfig(**{**base, **kw})
+    return TrainConfig(**{**base, "reward_funcs": DENSE, **kw})
+
+
+# A dense reward (share of digits) so that every group has variance even before any training.
+DENSE = "tests.reward_fns:digit_fraction"
 
 
 def _task():
-    # A dense reward (share of digits) so that every group has variance even before any training.
-    return WithRewardChannels(AdditionTask(), ["tests.reward_fns:digit_fraction"])
+    return AdditionTask()
 
 
 def _weights(model_dir):

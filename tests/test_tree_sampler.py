@@ -29,6 +29,7 @@ from polyrl.rollout.tree import (
     tree_advantages,
 )
 from polyrl.tasks.base import Prompt
+from polyrl.tasks.rewards import RewardChannels
 from polyrl.tinylm import build_char_tokenizer
 from polyrl.types import LossInputs, Normalizer
 
@@ -252,6 +253,9 @@ class TwoCharTask:
         return (1.0 if text.strip() == prompt.answer else 0.0), {}
 
 
+TWO_CHAR = RewardChannels(TwoCharTask())  # the training reward: the task's checker alone
+
+
 def test_tree_sampler_spends_the_budget_skips_decided_prompts_and_builds_sibling_groups():
     tok = build_char_tokenizer()
     prompts = [Prompt(f"p{k}", f"{k}=", "11") for k in range(8)]
@@ -267,7 +271,7 @@ def test_tree_sampler_spends_the_budget_skips_decided_prompts_and_builds_sibling
         return [(i % 8, prompts[i % 8]) for i in (next(stream) for _ in range(k))]
 
     params = SamplingParams(n=8, max_new_tokens=4, seed=0)
-    batch = sampler.collect(TwoCharTask(), get_method("grpo"), draw, num_groups=4, params=params, history={})
+    batch = sampler.collect(TWO_CHAR, get_method("grpo"), draw, num_groups=4, params=params, history={})
     assert len(batch.samples) <= 4 * 8
     roots = batch.tree.is_root
     # only the two uncertain prompts (history 1/2) get root rollouts; decided ones are pruned
@@ -300,11 +304,11 @@ def test_without_branching_the_extension_only_grows_root_groups():
     counts = {0: [10.0, 20.0], 1: [10.0, 20.0], 2: [20.0, 20.0], 3: [0.0, 20.0]}
     params = SamplingParams(n=4, max_new_tokens=4, seed=0)
     sampler = TreeSampler(runner, counts, root_frac=0.5, candidate_factor=2.0, prune=0.05, max_group=4, branch=False)
-    batch = sampler.collect(TwoCharTask(), get_method("grpo"), draw, num_groups=4, params=params, history={})
+    batch = sampler.collect(TWO_CHAR, get_method("grpo"), draw, num_groups=4, params=params, history={})
     # the same call with branching gives continuations (their uncertain prefixes "1" / "2" are anchors) ...
     branching = TreeSampler(runner, {k: list(v) for k, v in counts.items()}, root_frac=0.5, candidate_factor=2.0,
                             prune=0.05, max_group=4)
-    with_branches = branching.collect(TwoCharTask(), get_method("grpo"), draw, num_groups=4, params=params,
+    with_branches = branching.collect(TWO_CHAR, get_method("grpo"), draw, num_groups=4, params=params,
                                       history={})
     assert with_branches.stats["tree/continuations"] > 0
     # ... without, every rollout is a root of a probed prompt: no sibling groups, no branch points
@@ -318,7 +322,7 @@ def test_a_mixed_probe_is_extended_past_the_group_size():
     counts = {0: [10.0, 20.0], 1: [20.0, 20.0], 2: [0.0, 20.0], 3: [0.0, 20.0]}
     sampler = TreeSampler(runner, counts, root_frac=0.25, candidate_factor=2.0, prune=0.05)
     params = SamplingParams(n=4, max_new_tokens=4, seed=0)
-    batch = sampler.collect(TwoCharTask(), get_method("grpo"), draw, num_groups=2, params=params, history={})
+    batch = sampler.collect(TWO_CHAR, get_method("grpo"), draw, num_groups=2, params=params, history={})
     # a probe of two on the uncertain prompt, then the rest of the budget joins its root group (past G = 4);
     # the decided prompts get nothing
     assert batch.group_ids.tolist() == [0] * 8 and bool(batch.tree.is_root.all())
@@ -326,7 +330,7 @@ def test_a_mixed_probe_is_extended_past_the_group_size():
     assert batch.stats["rollout/utilization"] == (1.0 if len(set(batch.scores.tolist())) == 2 else 0.0)
     # with max_group = G the prompt's root group stops at G; the rest of the budget goes elsewhere
     capped = TreeSampler(runner, dict(counts), root_frac=0.25, candidate_factor=2.0, prune=0.05, max_group=4)
-    batch = capped.collect(TwoCharTask(), get_method("grpo"), draw, num_groups=2, params=params, history={})
+    batch = capped.collect(TWO_CHAR, get_method("grpo"), draw, num_groups=2, params=params, history={})
     assert int((batch.group_ids[batch.tree.is_root] == 0).sum()) == 4
 
 
@@ -417,7 +421,7 @@ def test_the_likelihood_predictor_replaces_the_history():
     for likelihood, probed in ((None, [2, 3]), (lambda ps: torch.tensor([scripted[p.text] for p in ps]), [0, 1])):
         sampler = TreeSampler(runner, {k: list(v) for k, v in counts.items()}, root_frac=0.5, candidate_factor=1.0,
                               prune=0.05, max_group=4, branch=False, likelihood=likelihood)
-        batch = sampler.collect(TwoCharTask(), get_method("grpo"), draw, num_groups=4, params=params, history={})
+        batch = sampler.collect(TWO_CHAR, get_method("grpo"), draw, num_groups=4, params=params, history={})
         assert torch.bincount(batch.group_ids, minlength=4)[probed].tolist() == [4, 4]  # a full probe each
         if likelihood is not None:  # p = 1 and p = 0 are known decided: no rollout at all
             assert set(batch.group_ids.tolist()) == {0, 1}
@@ -437,7 +441,7 @@ def test_sampled_roots_weigh_each_prompt_by_its_inverse_inclusion_probability():
     for seed in range(12):
         sampler = TreeSampler(runner, {k: list(v) for k, v in counts.items()}, root_frac=0.5, candidate_factor=1.0,
                               roots="sample")
-        batch = sampler.collect(TwoCharTask(), get_method("grpo"), lambda k: [(i, prompts[i]) for i in range(k)],
+        batch = sampler.collect(TWO_CHAR, get_method("grpo"), lambda k: [(i, prompts[i]) for i in range(k)],
                                 num_groups=8, params=SamplingParams(n=4, max_new_tokens=4, seed=seed), history={})
         roots = batch.group_ids[batch.tree.is_root]
         drawn = roots.unique().tolist()

@@ -19,6 +19,7 @@ from rich.table import Table
 from polyrl.config import ConfigError
 
 console = Console() if sys.stdout.isatty() else Console(width=200)
+FLOW_HELP = "RL for flow-matching / diffusion policies (Flow-GRPO, Flow-DPPO, FPO)"  # also polyrl.cli's placeholder
 
 
 def _train_config(args: argparse.Namespace):
@@ -105,7 +106,7 @@ def add_flow_parser(subparsers) -> argparse.ArgumentParser:
     from polyrl.flow.train import FlowTrainConfig
 
     d = FlowTrainConfig()
-    flow = subparsers.add_parser("flow", help="RL for flow-matching / diffusion policies (Flow-GRPO, Flow-DPPO, FPO)")
+    flow = subparsers.add_parser("flow", help=FLOW_HELP)
     sub = flow.add_subparsers(dest="flow_command", required=True)
 
     p = sub.add_parser("train", help="fine-tune a flow policy on a toy task; writes metrics, plots and summary.json")

@@ -18,7 +18,8 @@ from torch import Tensor
 from polyrl.objectives import Method
 from polyrl.registry import FILTERS, SHAPERS
 from polyrl.rollout.generator import Sample, SamplingParams
-from polyrl.tasks.base import Prompt, Task
+from polyrl.tasks.base import Prompt
+from polyrl.tasks.rewards import RewardChannels
 
 
 class NoUsableGroups(RuntimeError):
@@ -52,7 +53,7 @@ class RolloutBatch:
     keep: Tensor  # [B] bool: sample counts for the loss (sample-level filters)
     truncated: Tensor  # [B] bool: generation hit max_new_tokens
     lengths: Tensor  # [B] completion lengths in tokens
-    channels: Tensor | None = None  # [B, C] separate reward channels (WithRewardChannels), else None
+    channels: Tensor | None = None  # [B, C] separate reward channels (RewardChannels), else None
     stats: dict[str, float] = field(default_factory=dict)  # rollout/* and reward/* metrics
     tree: TreeInfo | None = None  # tree rollouts: root/sibling groups and branch points (rollout/tree.py)
 
@@ -67,7 +68,7 @@ SampleFn = Callable[[list[Prompt], SamplingParams], list[Sample]]  # EpisodeRunn
 
 def collect(
     sample: SampleFn,
-    task: Task,
+    rewards: RewardChannels,
     method: Method,
     draw_prompts: Callable[[int], list[tuple[int, Prompt]]],
     *,
@@ -93,10 +94,10 @@ def collect(
         need = num_groups - len(kept_groups)
         drawn = draw_prompts(need)
         samples = sample([p for _, p in drawn], params)
-        scored = [task.reward(drawn[s.prompt_index][1], s.text) for s in samples]
-        scores = torch.tensor([r for r, _ in scored], dtype=torch.float32)
-        channels = (torch.tensor([info["channels"] for _, info in scored], dtype=torch.float32)
-                    if scored and "channels" in scored[0][1] else None)
+        scored = rewards([drawn[s.prompt_index][1] for s in samples], [s.text for s in samples],
+                         prompt_index=[s.prompt_index for s in samples])
+        scores = torch.tensor(scored.total, dtype=torch.float32)
+        channels = None if scored.channels is None else torch.tensor(scored.channels, dtype=torch.float32)
         lengths = torch.tensor([len(s.completion_token_ids) for s in samples])
         truncated = torch.tensor([s.finish_reason == "length" for s in samples])
         gids = torch.tensor([drawn[s.prompt_index][0] for s in samples])

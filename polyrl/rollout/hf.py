@@ -7,7 +7,7 @@ the one ``completion_logprobs`` uses. This loop computes logits with ``polyrl.mo
 functions the trainer calls — so recomputed log-probs equal rollout log-probs at the same weights.
 
 Batches are LEFT padded with explicit position ids ``cumsum(attention_mask) - 1``; each step feeds
-one token per row with the cache (``past_key_values``). Rows that sampled EOS are dropped from the
+one token per row with the cache (a ``DynamicCache``). Rows that sampled EOS are dropped from the
 batch and the cache as soon as they finish, so long-tail rows do not pay for finished ones. The
 only Python work per step is the loop itself and one ``any()`` check.
 
@@ -17,6 +17,9 @@ log-prob is the mixture's (``rollout/agency.py``).
 """
 
 from __future__ import annotations
+
+import functools
+import inspect
 
 import torch
 from torch import Tensor, nn
@@ -161,11 +164,21 @@ class HFGenerator:
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            past_key_values=cache,
             use_cache=True,
+            **{_cache_keyword(type(model.base_model)): cache},
         ).last_hidden_state[:, -1]
         head = self.head if model is self.model else linear_head(model)
         return head_logits(hidden, head, fp32_head=self.fp32_head)
+
+
+@functools.cache
+def _cache_keyword(model_class: type) -> str:
+    """The name under which ``model_class.forward`` takes the KV cache.
+
+    Recent transformers call it ``cache`` and warn (FutureWarning) on every call that passes the deprecated
+    ``past_key_values``; older releases, which the package's range still allows, know only ``past_key_values``.
+    """
+    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
 
 
 def _processed(logits: Tensor, params: SamplingParams) -> Tensor:

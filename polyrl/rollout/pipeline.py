@@ -80,6 +80,7 @@ class _ChildConfig:
     threads: int
     reference: bool  # also load the starting model as the frozen reference and score every sample with it
     logprob_kwargs: dict  # micro_batch_size, temperature, top_p, top_k: as the trainer scores
+    heldout_percent: int = 10  # math task: the same held-out split as the trainer's
 
 
 @dataclass
@@ -110,6 +111,7 @@ class AsyncPipeline:
         task_name: str,
         data_file: str | None,
         staleness: int,
+        heldout_percent: int = 10,
         weights: dict[str, Tensor],
         dtype: str = "float32",
         fp32_head: bool = False,
@@ -152,7 +154,7 @@ class AsyncPipeline:
             target=_worker,
             args=(_ChildConfig(model_dir, task_name, data_file, staleness, dtype, fp32_head, threads, reference,
                                dict(micro_batch_size=micro_batch_size, temperature=temperature, top_p=top_p,
-                                    top_k=top_k)), self._shared),
+                                    top_k=top_k), heldout_percent), self._shared),
             name="polyrl-generation",
             daemon=True,  # never outlives the trainer
         )
@@ -327,7 +329,7 @@ def _worker(cfg: _ChildConfig, shared: _Shared) -> None:
             reference = load_policy(cfg.model_dir, dtype=cfg.dtype, threads=cfg.threads)[0].requires_grad_(False)
             score = functools.partial(_score_reference, reference, generator.pad_id,
                                       dict(fp32_head=cfg.fp32_head, **cfg.logprob_kwargs))
-        runner = EpisodeRunner(generator, tokenizer, get_task(cfg.task_name, cfg.data_file))
+        runner = EpisodeRunner(generator, tokenizer, get_task(cfg.task_name, cfg.data_file, cfg.heldout_percent))
         _serve(runner, generator, cfg.staleness, shared, score)
         shared.results.cancel_join_thread()  # stopping: undelivered results do not matter
     except BaseException as error:  # every failure must reach the trainer, never hang it

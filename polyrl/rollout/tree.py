@@ -70,7 +70,8 @@ from polyrl.registry import SHAPERS
 from polyrl.rollout.collect import NoUsableGroups, RolloutBatch, TreeInfo
 from polyrl.rollout.episodes import Episode, EpisodeRunner, prefix_episode
 from polyrl.rollout.generator import SamplingParams
-from polyrl.tasks.base import Prompt, Task
+from polyrl.tasks.base import Prompt
+from polyrl.tasks.rewards import RewardChannels
 
 EXACT_STRENGTH = 1e4  # pseudo-trials of a predicted rate known exactly (the likelihood predictor): Beta ~ a point
 
@@ -394,9 +395,9 @@ class TreeSampler:
     def _pruned(self, p: Tensor) -> Tensor:
         return torch.where((p < self.prune) | (p > 1 - self.prune), torch.zeros_like(p), p)
 
-    def collect(self, task: Task, method: Method, draw_prompts: Callable[[int], list[tuple[int, Prompt]]], *,
-                num_groups: int, params: SamplingParams, history: MutableMapping[int, float],
-                step: int = 0) -> RolloutBatch:
+    def collect(self, rewards: RewardChannels, method: Method,
+                draw_prompts: Callable[[int], list[tuple[int, Prompt]]], *, num_groups: int, params: SamplingParams,
+                history: MutableMapping[int, float], step: int = 0) -> RolloutBatch:
         G, budget = params.n, num_groups * params.n
         self.predictor.now = step
         # 1. roots: probe the candidate prompts whose posterior promises mixed groups -------------------
@@ -425,7 +426,7 @@ class TreeSampler:
         for k, n in enumerate(alloc.tolist()):
             roots += self.runner.new([drawn[k][1]], n)
             root_of += [k] * n
-        root_scores = self._play(task, roots, params)
+        root_scores = self._play(rewards, roots, root_of, params)
         # 2. extend: one DP over (a) the candidates -- more rollouts join the prompt's root group -- and
         #    (b) the prefixes of root rollouts -- continuations form a sibling group with the roots through it
         anchors: dict[tuple[int, tuple[int, ...]], list[int]] = {}  # (candidate, prefix tokens) -> root rollouts
@@ -480,7 +481,8 @@ class TreeSampler:
         for a, (key, m) in enumerate(chosen):
             conts += [prefix_episode(roots[anchors[key][0]], len(key[1])) for _ in range(m)]
             cont_anchor += [a] * m
-        scores = self._play(task, more + conts, _reseeded(params, 1))
+        cont_of = [chosen[a][0][0] for a in cont_anchor]
+        scores = self._play(rewards, more + conts, more_of + cont_of, _reseeded(params, 1))
         roots, root_of, root_scores = roots + more, root_of + more_of, root_scores + scores[: len(more)]
         sibling_of += [-1] * len(more)
         cont_scores = scores[len(more):]
@@ -493,12 +495,13 @@ class TreeSampler:
                            cont_scores, chosen, n_candidates=len(drawn), pruned=pruned, extended=len(more),
                            inclusion=inclusion)
 
-    def _play(self, task: Task, episodes: list[Episode], params: SamplingParams) -> list[float]:
-        """Run the episodes to their end; their task scores."""
+    def _play(self, rewards: RewardChannels, episodes: list[Episode], prompt_index: list[int],
+              params: SamplingParams) -> list[float]:
+        """Run the episodes to their end; their training rewards (``prompt_index``: each one's candidate)."""
         if not episodes:
             return []
         self.runner.run(episodes, params)
-        return [task.reward(e.prompt, t)[0] for e, t in zip(episodes, self._texts(episodes))]
+        return rewards([e.prompt for e in episodes], self._texts(episodes), prompt_index=prompt_index).total
 
     def _texts(self, episodes: list[Episode]) -> list[str]:
         return self.runner.tokenizer.batch_decode([e.token_ids for e in episodes], skip_special_tokens=True)

@@ -9,13 +9,13 @@ from polyrl.tasks.arithmetic import AdditionTask
 from polyrl.tasks.base import Prompt, Split, Task
 from polyrl.tasks.calculator import CalculatorTask
 from polyrl.tasks.countdown import CountdownTask
-from polyrl.tasks.math import MathTask
+from polyrl.tasks.math import COLUMNS_HELP, MathTask
 
 
-def _math(data_file: str | None = None) -> Task:
+def _math(data_file: str | None = None, heldout_percent: int = 10) -> Task:
     if data_file is None:
-        raise ValueError("task 'math' needs --data-file (a local JSONL or Parquet file of question/answer rows)")
-    return MathTask(data_file)
+        raise ValueError(f"task 'math' needs --data-file (a local JSONL or Parquet file with {COLUMNS_HELP})")
+    return MathTask(data_file, heldout_percent=heldout_percent)
 
 
 # Task name -> factory; ``data_file`` is passed to every factory that takes it.
@@ -28,7 +28,7 @@ TASKS: dict[str, Callable[..., Task]] = {
 }
 
 
-def get_task(name: str, data_file: str | None = None) -> Task:
+def get_task(name: str, data_file: str | None = None, heldout_percent: int = 10) -> Task:
     """Build the task registered as ``name``; an unknown name lists the known ones."""
     if name not in TASKS:
         raise ValueError(f"unknown task {name!r}; known tasks: {', '.join(sorted(TASKS))}")
@@ -36,7 +36,7 @@ def get_task(name: str, data_file: str | None = None) -> Task:
     reads_file = "data_file" in inspect.signature(factory).parameters
     if data_file is not None and not reads_file:
         raise ValueError(f"task {name!r} does not read a data file (data_file = {data_file!r})")
-    return factory(data_file=data_file) if reads_file else factory()
+    return factory(data_file=data_file, heldout_percent=heldout_percent) if reads_file else factory()
 
 
 __all__ = ["TASKS", "AdditionTask", "CalculatorTask", "Prompt", "Split", "Task", "get_task"]

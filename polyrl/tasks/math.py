@@ -1,16 +1,22 @@
-"""Math word problems from a local JSONL or Parquet file, graded with math-verify.
+"""Math word problems from a local JSONL, JSON or Parquet file, graded with math-verify.
 
-The file is read with ``datasets`` (no hub access). The question column is the first of
-``question``, ``problem``, ``prompt`` that exists (or ``prompt_key``), the answer column the first
-of ``answer``, ``solution``, ``ground_truth`` (or ``answer_key``). A row goes to the test split when
-a hash of its question falls in the first ``test_percent`` percent, so splits are disjoint and stable
-when rows are added. The reward is 1.0 when math-verify finds the completion's answer equal to the
-reference (numbers, fractions, LaTeX), else 0.0.
+Accepted columns (documented here only; ``COLUMNS_HELP`` says it in one phrase for the CLI and README):
+the question is the first of ``question``, ``problem``, ``prompt`` that the file has (or ``prompt_key``),
+the answer the first of ``answer``, ``solution``, ``ground_truth`` (or ``answer_key``); other columns are
+ignored and duplicate questions are kept. A ``.jsonl`` file holds one JSON object per line (blank lines are
+skipped), a ``.json`` file either that or one JSON array of objects, a ``.parquet`` file one row per problem.
+
+A row goes to the held-out (test) split when int(sha256(question)[:8], 16) % 100 < ``heldout_percent``, so
+the splits are disjoint and stay stable when rows are added, but a small file can land no row in a split:
+that is an error naming ``--heldout-percent``. Every problem with the file raises DataFileError, a ValueError
+with a one-line message that starts with the file's name. The reward is 1.0 when math-verify finds the
+completion's answer equal to the reference (numbers, fractions, LaTeX), else 0.0.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import random
 from pathlib import Path
 from typing import Any
@@ -19,48 +25,127 @@ from polyrl.tasks.base import Prompt, Split
 
 QUESTION_KEYS = ("question", "problem", "prompt")
 ANSWER_KEYS = ("answer", "solution", "ground_truth")
+COLUMNS_HELP = (f"{QUESTION_KEYS[0]} (or {', '.join(QUESTION_KEYS[1:])}) and "
+                f"{ANSWER_KEYS[0]} (or {', '.join(ANSWER_KEYS[1:])}) columns")
+_JSON_KINDS = {list: "an array", str: "a string", int: "a number", float: "a number", bool: "true or false",
+               type(None): "null"}
+
+
+class DataFileError(ValueError):
+    """A data file that cannot be used, with a one-line message starting ``data_file 'PATH'``."""
+
+
+def _json_rows(path: Path, label: str) -> list[tuple[str, dict]]:
+    """(where, object) for each row of a JSON lines file or of a .json file holding one array."""
+    try:
+        text = path.read_text(encoding="utf-8-sig")  # -sig: tolerate the byte-order mark some editors write
+    except UnicodeDecodeError as e:
+        raise DataFileError(f"{label} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+    except OSError as e:
+        raise DataFileError(f"{label} cannot be read ({e.strerror})") from None
+    if path.suffix == ".json" and text.lstrip().startswith("["):
+        try:
+            items = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise DataFileError(f"{label} line {e.lineno} is not valid JSON ({e.msg}: column {e.colno})") from None
+        located = [(f"row {i}", item) for i, item in enumerate(items, 1)]
+    else:
+        located = []
+        for lineno, line in enumerate(text.split("\n"), 1):  # not splitlines(): JSON strings may hold U+2028
+            if not line.strip():
+                continue
+            try:
+                item = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataFileError(f"{label} line {lineno} is not valid JSON ({e.msg}: column {e.colno})") from None
+            located.append((f"row {len(located) + 1} (line {lineno})", item))
+    for where, item in located:
+        if not isinstance(item, dict):
+            raise DataFileError(f"{label} {where} is {_JSON_KINDS.get(type(item), 'a value')}, not a JSON object")
+    return located
+
+
+def _parquet_rows(path: Path, label: str) -> tuple[list[str], list[tuple[str, dict]]]:
+    """The columns and (where, row) for each row of a Parquet file."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        table = pq.read_table(path)
+    except (pa.ArrowException, OSError) as e:
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0]  # Arrow messages can run to many lines
+        raise DataFileError(f"{label} is not a readable Parquet file ({reason})") from None
+    return list(table.column_names), [(f"row {i}", row) for i, row in enumerate(table.to_pylist(), 1)]
 
 
 class MathTask:
     """Problems from a local file; reward by math-verify equivalence with the reference answer."""
 
     def __init__(self, data_file: str, *, prompt_key: str | None = None, answer_key: str | None = None,
-                 template: str = "{question}\nAnswer: ", test_percent: int = 10) -> None:
-        import datasets
-        from datasets import load_dataset
-
-        datasets.disable_progress_bars()  # a local file loads in milliseconds; no bars on stderr
-
+                 template: str = "{question}\nAnswer: ", heldout_percent: int = 10) -> None:
+        if isinstance(heldout_percent, bool) or not isinstance(heldout_percent, int) or \
+                not 0 <= heldout_percent <= 50:
+            raise ValueError(f"heldout_percent (--heldout-percent) must be an integer from 0 to 50, "
+                             f"got {heldout_percent!r}")
         path = Path(data_file)
+        label = f"data_file {str(path)!r}"
         if not path.is_file():
-            raise FileNotFoundError(f"data_file {str(path)!r} does not exist")
-        kind = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}.get(path.suffix)
-        if kind is None:
-            raise ValueError(f"data_file {str(path)!r}: use a .jsonl, .json or .parquet file")
-        rows = load_dataset(kind, data_files=str(path), split="train")
-        columns = list(rows.column_names)
-        q = prompt_key or next((k for k in QUESTION_KEYS if k in columns), None)
-        a = answer_key or next((k for k in ANSWER_KEYS if k in columns), None)
-        for role, key, options in (("question", q, QUESTION_KEYS), ("answer", a, ANSWER_KEYS)):
-            if key is None or key not in columns:
-                raise ValueError(f"data_file {str(path)!r} has no {role} column "
-                                 f"({key or ' or '.join(options)}); its columns: {', '.join(columns)}")
+            raise FileNotFoundError(f"{label} does not exist")
+        if path.suffix not in (".jsonl", ".json", ".parquet"):
+            raise DataFileError(f"{label}: use a .jsonl, .json or .parquet file")
+        if path.suffix == ".parquet":
+            columns, rows = _parquet_rows(path, label)
+            unit = "one row per problem"
+        else:
+            rows = _json_rows(path, label)
+            columns = list(dict.fromkeys(k for _, row in rows for k in row))  # rows may differ in their keys
+            unit = "one JSON object per line" + (" (or one JSON array of objects)" if path.suffix == ".json" else "")
+        if not rows:
+            raise DataFileError(f"{label} is empty: it needs {unit} with {COLUMNS_HELP}")
+
+        keys = {}
+        for role, key, options, flag in (("question", prompt_key, QUESTION_KEYS, "prompt_key"),
+                                         ("answer", answer_key, ANSWER_KEYS, "answer_key")):
+            keys[role] = key or next((k for k in options if k in columns), None)
+            if keys[role] not in columns:
+                accepted = f"{key!r}, set by {flag}" if key else f"{', '.join(options[:-1])} or {options[-1]}"
+                shown = ", ".join(columns[:20]) + (f", ... ({len(columns) - 20} more)" if len(columns) > 20 else "")
+                raise DataFileError(f"{label} has no {role} column ({accepted}); its columns: {shown or 'none'}")
+        for where, row in rows:
+            for role, key in keys.items():
+                value = row.get(key)
+                if value is None or (isinstance(value, str) and not value.strip()):
+                    state = "missing" if key not in row else "null" if value is None else "empty"
+                    raise DataFileError(f"{label} {where} has no {role} ({key!r} is {state})")
+                if isinstance(value, bool) or not isinstance(value, str | int | float):
+                    raise DataFileError(f"{label} {where} has a {type(value).__name__} in {key!r}; "
+                                        f"the {role} must be text or a number")
+
         self.name = "math"
         self.template = template
+        self.heldout_percent = heldout_percent
+        self._label = label
         self._pools: dict[str, list[Prompt]] = {"train": [], "test": []}
-        for question, answer in zip(rows[q], rows[a]):
-            pid = hashlib.sha256(str(question).encode()).hexdigest()
-            split = "test" if int(pid[:8], 16) % 100 < test_percent else "train"
+        for _, row in rows:
+            question = str(row[keys["question"]])
+            pid = hashlib.sha256(question.encode()).hexdigest()
+            split = "test" if int(pid[:8], 16) % 100 < heldout_percent else "train"
             self._pools[split].append(Prompt(id=f"math/{pid[:16]}", text=template.format(question=question),
-                                             answer=str(answer)))
-        if not self._pools["train"]:
-            raise ValueError(f"data_file {str(path)!r} has no training rows")
+                                             answer=str(row[keys["answer"]])))
+        train, held = len(self._pools["train"]), len(self._pools["test"])
+        if not train or (heldout_percent and not held):
+            fix = (f"add rows (about {-(-100 // heldout_percent)} per held-out row) or raise --heldout-percent"
+                   if not held else "add rows or lower --heldout-percent")
+            raise DataFileError(f"{label} has {len(rows)} row{'s' * (len(rows) != 1)}: {train} fall in the "
+                                f"training split and {held} in the held-out split (heldout_percent = "
+                                f"{heldout_percent}, chosen by a hash of the question): {fix}")
 
     def prompts(self, split: Split, n: int, seed: int) -> list[Prompt]:
         """``n`` prompts of ``split``, shuffled by ``seed``, cycling through the split when n exceeds it."""
         pool = self._pools[split]
-        if not pool:
-            raise ValueError(f"math task: the {split} split is empty (too few rows for test_percent)")
+        if not pool:  # only the held-out split at heldout_percent = 0: __init__ refuses other empty splits
+            raise DataFileError(f"{self._label} has no held-out split (heldout_percent = {self.heldout_percent}): "
+                                "evaluation needs --heldout-percent > 0")
         rng, out = random.Random(seed), []
         while len(out) < n:
             out.extend(rng.sample(pool, min(len(pool), n - len(out))))

@@ -1,20 +1,29 @@
-"""Reward functions given by import path (plain callables, as in TRL) and weighted reward channels.
+"""Training rewards: the task's checker and reward functions given by import path, called once per batch.
 
 A reward function is any callable ``fn(prompts: list[str], completions: list[str], **kwargs) ->
-list[float]`` named as ``package.module:function`` or ``path/to/file.py:function``; ``kwargs``
-carries ``answers`` (the reference answers). The special name ``task`` is the task's own checker.
-``WithRewardChannels`` wraps a task so that its reward is the weighted sum of the channels while
-every channel's value is kept (``info["channels"]``) for estimators that normalise channels
-separately (GDPO).
+list[float]`` named as ``package.module:function`` or ``path/to/file.py:function``. It is called once
+per batch, as in TRL (``prompts[i]`` is the prompt of ``completions[i]``, so a prompt appears once per
+completion of its group); ``kwargs`` carries ``answers`` (the reference answers, one per completion).
+The special name ``task`` is the task's own checker. ``RewardChannels`` sums the channels with their
+weights and keeps every channel's value for estimators that normalise channels separately (GDPO).
+
+A reward that is not a finite number, a list of the wrong length, or an exception inside a reward
+function raises ``RewardError``: one line naming the function and the completion and prompt, with
+the function's traceback kept for the run's log. Held-out accuracy never uses these channels: it is
+the task's own ``reward`` (its verifier).
 """
 
 from __future__ import annotations
 
+import math
+import numbers
+import traceback
 from collections.abc import Callable, Sequence
-from typing import Any
+from dataclasses import dataclass
 
+from polyrl.errors import RewardError
 from polyrl.plugins import import_module_or_file
-from polyrl.tasks.base import Prompt, Split, Task
+from polyrl.tasks.base import Prompt, Task
 
 RewardFn = Callable[..., list[float]]
 
@@ -34,31 +43,59 @@ def load_callable(spec: str) -> RewardFn:
     return fn
 
 
-class WithRewardChannels:
-    """A task whose reward is sum_c w_c * r_c over reward channels; the channels are reported separately."""
+@dataclass
+class Rewards:
+    """Weighted totals of one batch and, when there are several channels, each channel's values."""
 
-    def __init__(self, task: Task, specs: Sequence[str], weights: Sequence[float] | None = None) -> None:
+    total: list[float]  # [B]
+    channels: list[list[float]] | None  # [B][C], None with the task's checker alone
+
+
+class RewardChannels:
+    """The training reward sum_c w_c * r_c over reward channels (default: the task's checker alone)."""
+
+    def __init__(self, task: Task, specs: Sequence[str] = ("task",), weights: Sequence[float] | None = None) -> None:
         if not specs:
             raise ValueError("reward_funcs: give at least one reward function (or 'task')")
         weights = list(weights) if weights is not None else [1.0] * len(specs)
         if len(weights) != len(specs):
             raise ValueError(f"reward_weights has {len(weights)} values for {len(specs)} reward functions")
-        self.task, self.name = task, task.name
-        self.specs, self.weights = list(specs), [float(w) for w in weights]
-        self._fns = [None if s == "task" else load_callable(s) for s in specs]
+        self.task, self.specs, self.weights = task, list(specs), [float(w) for w in weights]
+        self._fns = [None if s == "task" else load_callable(s) for s in self.specs]
 
-    def prompts(self, split: Split, n: int, seed: int) -> list[Prompt]:
-        return self.task.prompts(split, n, seed)
+    def __call__(self, prompts: Sequence[Prompt], completions: Sequence[str],
+                 prompt_index: Sequence[int] | None = None) -> Rewards:
+        """Score a batch; ``prompts[i]`` is the prompt of ``completions[i]`` (``prompt_index[i]`` its place in
+        the step's prompts, for error messages)."""
+        where = list(prompt_index) if prompt_index is not None else [None] * len(completions)
+        columns = [self._channel(spec, fn, prompts, completions, where) for spec, fn in zip(self.specs, self._fns)]
+        total = [sum(w * col[i] for w, col in zip(self.weights, columns)) for i in range(len(completions))]
+        channels = [list(row) for row in zip(*columns)] if len(columns) > 1 else None
+        return Rewards(total=total, channels=channels)
 
-    def reward(self, prompt: Prompt, completion_text: str) -> tuple[float, dict[str, Any]]:
-        channels = []
-        for spec, fn in zip(self.specs, self._fns):
+    def _channel(self, spec: str, fn: RewardFn | None, prompts: Sequence[Prompt], completions: Sequence[str],
+                 where: list[int | None]) -> list[float]:
+        def error(problem: str, i: int | None = None, trace: str | None = None) -> RewardError:
+            return RewardError(spec, problem, completion=i, prompt_index=None if i is None else where[i],
+                               traceback=trace)
+
+        try:
             if fn is None:
-                channels.append(float(self.task.reward(prompt, completion_text)[0]))
-                continue
-            out = fn(prompts=[prompt.text], completions=[completion_text], answers=[prompt.answer])
-            if not isinstance(out, (list, tuple)) or len(out) != 1:
-                raise ValueError(f"reward function {spec!r} must return a list with one float per completion")
-            channels.append(float(out[0]))
-        total = sum(w * c for w, c in zip(self.weights, channels))
-        return total, {"channels": channels}
+                out = [self.task.reward(p, c)[0] for p, c in zip(prompts, completions)]
+            else:
+                out = fn(prompts=[p.text for p in prompts], completions=list(completions),
+                         answers=[p.answer for p in prompts])
+        except Exception as e:  # a user's function failed: one line here, its traceback in the run's log
+            raise error(f"raised {type(e).__name__}: {e}", trace=traceback.format_exc()) from None
+        try:
+            values = list(out)
+        except TypeError:
+            raise error(f"returned {type(out).__name__}, not a list of floats") from None
+        if len(values) != len(completions):
+            raise error(f"returned {len(values)} values for {len(completions)} completions (one float each)")
+        for i, v in enumerate(values):
+            if isinstance(v, bool) or not isinstance(v, numbers.Real):
+                raise error(f"returned {type(v).__name__} {v!r}, not a float", i)
+            if not math.isfinite(float(v)):
+                raise error(f"returned {float(v)}, not a finite float", i)
+        return [float(v) for v in values]

@@ -1,0 +1,189 @@
+"""Trustworthy runs: resume with the run's own settings, logs without repeated steps, one-line reward errors."""
+
+from __future__ import annotations
+
+import io
+import json
+import shutil
+
+import pytest
+from rich.console import Console
+
+from polyrl.cli import main
+from polyrl.logging import StepProgress
+from polyrl.tinylm import build_tiny_llama
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    return str(build_tiny_llama(tmp_path_factory.mktemp("tiny"), hidden=32, layers=2, heads=2, seed=0))
+
+
+def _small(model, run):
+    return ["train", "--model", model, "--prompts-per-step", "2", "--group-size", "2", "--eval-prompts", "4",
+            "--max-new-tokens", "4", "--run-dir", str(run), "--no-tensorboard", "--threads", "1", "--log-every", "0",
+            "--eval-every", "0"]
+
+
+def _cli(args, capsys):
+    code = main(args)
+    out = capsys.readouterr()
+    return code, out.err.strip()
+
+
+def _rows(run):
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def _step_rows(run):
+    return [r["step"] for r in _rows(run) if "reward/mean" in r]
+
+
+def test_resume_in_the_readme_form_keeps_the_runs_settings(tiny_model, tmp_path, capsys):
+    run = tmp_path / "run"
+    assert _cli([*_small(tiny_model, run), "--steps", "2", "--lr", "3e-4",
+                 "--trust-region", "clip:eps_high=0.28"], capsys)[0] == 0
+    record = (run / "config.json").read_bytes()
+    code, err = _cli(["train", "--run-dir", str(run), "--resume", "--steps", "3"], capsys)
+    assert code == 0, err
+    assert (run / "config.json").read_bytes() == record  # the record of the original settings is kept
+    history = [json.loads(line) for line in (run / "config_history.jsonl").read_text().splitlines()]
+    assert history[-1]["changes"] == {"steps": [2, 3]} and history[-1]["resumed_at_step"] == 2
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["model"] == tiny_model and summary["steps"] == 3  # not the default warm start
+    last = [r for r in _rows(run) if "reward/mean" in r][-1]
+    assert last["rollout/generated"] == 4  # 2 prompts x 2, not the defaults' 8 x 8
+    assert _step_rows(run) == [1, 2, 3]
+
+
+@pytest.mark.parametrize("flag,fragment", [
+    (["--lr", "0.01"], "lr = 0.01 differs from the run's own lr = 0.0001"),
+    (["--group-size", "4"], "group_size = 4 differs from the run's own group_size = 2"),
+    (["--trust-region", "clip:eps_high=0.3"], "--trust-region 'clip:eps_high=0.3' differs from the run's own"),
+])
+def test_resume_refuses_a_conflicting_flag(tiny_model, tmp_path, capsys, flag, fragment):
+    run = tmp_path / "run"
+    assert _cli([*_small(tiny_model, run), "--steps", "1"], capsys)[0] == 0
+    code, err = _cli(["train", "--run-dir", str(run), "--resume", "--steps", "2", *flag], capsys)
+    assert code == 2 and len(err.splitlines()) == 1 and fragment in err, err
+    assert "may change: steps" in err
+
+
+def test_kill_and_resume_leaves_no_step_twice_and_no_partial_save(tiny_model, tmp_path, capsys):
+    run = tmp_path / "run"
+    assert _cli([*_small(tiny_model, run), "--steps", "3", "--checkpoint-every", "2"], capsys)[0] == 0
+    # The state a kill after logging step 3 leaves: no step-3 checkpoint, no summary, a half-written save.
+    shutil.rmtree(run / "checkpoints" / "step_000003")
+    (run / "summary.json").unlink()
+    (run / "checkpoints" / ".tmp_step_000003_999").mkdir()
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write('{"step": 3, "reward/me')  # a line cut short by the kill
+    code, err = _cli(["train", "--run-dir", str(run), "--resume", "--steps", "4"], capsys)
+    assert code == 0, err
+    steps = _step_rows(run)
+    assert steps == [1, 2, 3, 4], steps
+    assert not list((run / "checkpoints").glob(".tmp_*"))
+
+
+def test_corrupt_newest_checkpoint_names_the_newest_intact_one(tiny_model, tmp_path, capsys):
+    run = tmp_path / "run"
+    assert _cli([*_small(tiny_model, run), "--steps", "2", "--checkpoint-every", "1"], capsys)[0] == 0
+    with open(run / "checkpoints" / "step_000002" / "model.safetensors", "r+b") as f:
+        f.seek(-3, 2)
+        f.write(b"xyz")
+    code, err = _cli(["train", "--run-dir", str(run), "--resume", "--steps", "3"], capsys)
+    intact = run / "checkpoints" / "step_000001"
+    assert code == 2 and len(err.splitlines()) == 1
+    assert "does not match its checksum" in err and f"--resume-from {intact}" in err, err
+    code, err = _cli(["train", "--run-dir", str(run), "--resume-from", str(intact), "--steps", "3"], capsys)
+    assert code == 0, err
+    assert _step_rows(run) == [1, 2, 3]
+
+
+REWARDS = '''
+import math, os
+
+def nan_third(prompts, completions, **kw):
+    return [math.nan if i == 3 else 0.5 for i in range(len(completions))]
+
+def raises(prompts, completions, **kw):
+    return 1 / 0
+
+def short(prompts, completions, **kw):
+    return [1.0]
+
+def strings(prompts, completions, **kw):
+    return ["high"] * len(completions)
+
+def constant(prompts, completions, **kw):
+    return [1.0] * len(completions)
+
+def counted(prompts, completions, answers, **kw):
+    with open(os.environ["POLYRL_TEST_CALLS"], "a") as f:
+        f.write(f"{len(prompts)} {len(completions)} {len(answers)}\\n")
+    return [float(len(c)) for c in completions]
+'''
+
+
+@pytest.mark.parametrize("fn,fragment", [
+    ("nan_third", "returned nan, not a finite float at step 0, completion 3 of prompt index 1"),
+    ("raises", "raised ZeroDivisionError: division by zero at step 0"),
+    ("short", "returned 1 values for 4 completions"),
+    ("strings", "returned str 'high', not a float at step 0, completion 0 of prompt index 0"),
+])
+def test_bad_reward_functions_stop_the_run_with_one_line(tiny_model, tmp_path, capsys, fn, fragment):
+    (tmp_path / "my_rewards.py").write_text(REWARDS)
+    run = tmp_path / "run"
+    code, err = _cli([*_small(tiny_model, run), "--steps", "2", "--reward-funcs",
+                      f"task,{tmp_path / 'my_rewards.py'}:{fn}"], capsys)
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert f"my_rewards.py:{fn}'" in err and fragment in err, err
+    if fn == "raises":  # the function's traceback goes to the run directory, not the console
+        assert "traceback in" in err and "ZeroDivisionError" in (run / "errors.log").read_text()
+        assert "Traceback" in (run / "errors.log").read_text()
+
+
+def test_reward_functions_are_called_once_per_batch(tiny_model, tmp_path, capsys, monkeypatch):
+    (tmp_path / "my_rewards.py").write_text(REWARDS)
+    calls = tmp_path / "calls.txt"
+    monkeypatch.setenv("POLYRL_TEST_CALLS", str(calls))
+    code, err = _cli([*_small(tiny_model, tmp_path / "run"), "--steps", "2", "--prompts-per-step", "3",
+                      "--reward-funcs", f"{tmp_path / 'my_rewards.py'}:counted"], capsys)
+    assert code == 0, err
+    assert calls.read_text().splitlines() == ["6 6 6", "6 6 6"]  # one call per step, lists of 3 prompts x 2
+
+
+def test_heldout_accuracy_uses_the_tasks_verifier_not_the_reward_channels(tiny_model, tmp_path, capsys):
+    (tmp_path / "my_rewards.py").write_text(REWARDS)
+    plain, custom = tmp_path / "plain", tmp_path / "custom"
+    assert _cli([*_small(tiny_model, plain), "--steps", "1"], capsys)[0] == 0
+    assert _cli([*_small(tiny_model, custom), "--steps", "1", "--reward-funcs",
+                 f"{tmp_path / 'my_rewards.py'}:constant"], capsys)[0] == 0
+    before = [json.loads((d / "summary.json").read_text())["eval_before"] for d in (plain, custom)]
+    assert before[0] == before[1] < 1.0  # the constant-1 channel would have made it 1.0
+    assert [r["reward/mean"] for r in _rows(custom) if "reward/mean" in r] == [1.0]
+
+
+def test_progress_prints_plain_lines_when_not_on_a_terminal():
+    out = io.StringIO()
+    console = Console(file=out, width=100)
+    assert not console.is_terminal
+    with StepProgress(console, "RL step", total=3, every_s=0.0) as bar:
+        for k in (1, 2, 3):
+            bar.update(k, info=f"reward {k / 10:.3f}")
+    lines = out.getvalue().splitlines()
+    assert [line.split()[2] for line in lines] == ["1/3", "2/3", "3/3"] and "reward 0.300" in lines[-1]
+
+
+def test_a_composed_method_is_labelled_as_composed(tiny_model, tmp_path, capsys, monkeypatch):
+    from polyrl.methods import get_method
+
+    assert get_method("grpo", trust_region="dppo_tv").name == "grpo+dppo_tv"
+    assert get_method("grpo", trust_region="clip:eps_high=0.3").name == "grpo+clip:eps_high=0.3"
+    assert get_method("dapo", filters=[]).name == "dapo+no_filters"
+    assert get_method("grpo", trust_region="clip").name == "grpo"  # the preset's own part: nothing composed
+    monkeypatch.chdir(tmp_path)
+    args = [a for a in _small(tiny_model, "x") if a not in ("--run-dir", "x")]
+    assert _cli([*args, "--steps", "1", "--trust-region", "dppo_tv"], capsys)[0] == 0
+    summary = json.loads((tmp_path / "runs" / "grpo+dppo_tv-addition-s0" / "summary.json").read_text())
+    assert summary["method"] == "grpo+dppo_tv"
