@@ -12,10 +12,8 @@ import argparse
 import difflib
 import json
 import os
-import shutil
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +21,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
+from polyrl.build import add_method_args, add_train_args, method_from_overrides, part_changes, resolve_train
 from polyrl.config import ConfigError
 from polyrl.errors import CheckpointError, RewardError, TrainingError
 from polyrl.registry import ALL_REGISTRIES, PartError, unknown
@@ -31,43 +30,14 @@ from polyrl.registry import ALL_REGISTRIES, PartError, unknown
 console = Console() if sys.stdout.isatty() else Console(width=200)
 
 
-def add_method_args(p: argparse.ArgumentParser) -> None:
-    """Part overrides shared by every command that takes a method (explain, later train/compare)."""
-    g = p.add_argument_group("part overrides (NAME or NAME:key=value,key=value)")
-    g.add_argument("--advantage", help="advantage estimator, e.g. rloo or grpo:eps=1e-4")
-    g.add_argument("--ratio", help="ratio granularity, e.g. sequence")
-    g.add_argument("--trust-region", help="trust region, e.g. dppo_tv:delta_low=0.1,delta_high=0.1")
-    g.add_argument("--aggregation", help="loss aggregation, e.g. prompt_mean")
-    g.add_argument("--correction", action="append", help="rollout-mismatch correction (repeatable; 'none' clears)")
-    g.add_argument("--shaper", action="append", help="reward shaper (repeatable; 'none' clears)")
-    g.add_argument("--filter", action="append", help="group filter (repeatable; 'none' clears)")
-    g.add_argument("--kl", help="KL estimator (k1, k2, k3, k3_plus, ...; 'none' removes the KL term)")
-    g.add_argument("--kl-coef", type=float, help="KL coefficient beta (>= 0)")
-    g.add_argument("--kl-placement", choices=["loss", "reward"], help="KL in the loss or in the reward")
-    g.add_argument("--anchor", choices=["old", "rollout"], help="ratio denominator: pi_old or the rollout policy")
-
-
 def method_changes(args: argparse.Namespace) -> dict[str, Any]:
     """The part overrides given on the command line, as ``get_method`` keyword arguments."""
-    changes: dict[str, Any] = {}
-    for key in ("advantage", "ratio", "trust_region", "aggregation", "kl", "kl_coef", "kl_placement", "anchor"):
-        value = getattr(args, key, None)
-        if value is not None:
-            changes[key] = value
-    for key, plural in (("correction", "corrections"), ("shaper", "shapers"), ("filter", "filters")):
-        values = getattr(args, key, None)
-        if values is not None:
-            changes[plural] = [v for v in values if v != "none"]
-    if changes.get("kl") == "none":
-        changes["kl"], changes["kl_coef"] = None, 0.0
-    return changes
+    return part_changes(vars(args))
 
 
 def method_from_args(name: str, args: argparse.Namespace):
     """Resolve preset ``name`` with the overrides given on the command line (raises PartError)."""
-    from polyrl.methods import get_method
-
-    return get_method(name, **method_changes(args))
+    return method_from_overrides(name, vars(args))
 
 
 def uses_manifest(args: argparse.Namespace) -> bool:
@@ -208,124 +178,6 @@ def cmd_warmstart(args: argparse.Namespace) -> int:
     return 0
 
 
-METHOD_OVERRIDES = ("advantage", "ratio", "trust_region", "aggregation", "kl", "kl_coef", "kl_placement", "anchor",
-                    "correction", "shaper", "filter")  # dests of add_method_args
-
-
-@dataclass
-class TrainPlan:
-    """A validated `polyrl train`: settings, method, task, run directory, and what a resume changes."""
-
-    cfg: Any  # TrainConfig
-    method: Any  # Method
-    task: Any  # Task
-    run_dir: str
-    overrides: dict[str, Any]  # part overrides as given (recorded in config.json)
-    changes: dict[str, list] = field(default_factory=dict)  # resume: {setting: [saved, new]}
-    resume_step: int | None = None  # resume: the checkpoint's step
-
-
-def resolve_train(args: argparse.Namespace) -> TrainPlan:
-    """Config (TOML beneath flags; on resume the run's own), method with overrides, task, run directory: validated."""
-    from polyrl.config import TrainConfig, build_config, load_toml, validate
-    from polyrl.tasks import get_task
-
-    values = load_toml(args.config) if args.config else {}
-    values.update({k: v for k, v in vars(args).items() if k in TrainConfig.__dataclass_fields__ and v is not None})
-    if values.get("resume_from") is not None:
-        values["resume"] = True
-    overrides = {k: getattr(args, k) for k in METHOD_OVERRIDES if getattr(args, k, None) is not None}
-    given = build_config(values)
-    run_dir = given.run_dir or f"runs/{method_from_args(given.method, argparse.Namespace(**overrides)).name}-" \
-                               f"{given.task}-s{given.seed}"
-    changes: dict[str, list] = {}
-    if given.resume and not given.overwrite:
-        values, overrides, changes = _resume_settings(run_dir, values, overrides)
-    cfg = build_config(values)
-    cfg.run_dir = run_dir
-    validate(cfg)
-    method = method_from_args(cfg.method, argparse.Namespace(**overrides))
-    if method.needs_groups and cfg.group_size < 2:
-        raise ConfigError(f"group_size = {cfg.group_size} is not allowed with advantage '{method.advantage.name}' "
-                          "(a group estimator needs >= 2 completions per prompt)")
-    if cfg.sampler == "tree" and (not method.needs_groups or method.needs_values or method.filters):
-        raise ConfigError(f"sampler = 'tree' needs a group advantage estimator and no group filters; method "
-                          f"{method.name!r} has advantage {method.advantage.name!r} and filters "
-                          f"{[f.name for f in method.filters]} (try --advantage grpo --filter none)")
-    if cfg.agency is not None and not method.corrections and "correction" not in overrides:
-        # The behaviour policy is the baseline/learner mixture: importance weights pi_theta / mu keep the update
-        # on-policy for the learner (truncated at C = 2, verl's default); an explicit --correction overrides.
-        from polyrl.objectives import override
-
-        method = override(method, corrections=["tis"])
-        console.print("agency transfer: adding the TIS correction (pi_theta / mixture, C = 2) to the method")
-    try:
-        task = get_task(cfg.task, data_file=cfg.data_file, heldout_percent=cfg.heldout_percent)
-        from polyrl.tasks.rewards import RewardChannels
-
-        RewardChannels(task, *reward_specs(cfg))  # imports the reward functions now: a bad path fails here
-    except (ValueError, FileNotFoundError, KeyError) as e:
-        raise ConfigError(f"task = {cfg.task!r}: {e}") from None
-    if cfg.tree_predictor == "likelihood" and not getattr(task, "exact_answer", False):
-        raise ConfigError(f"tree_predictor = 'likelihood' is not allowed with task = {cfg.task!r}"
-                          f"{' and reward_funcs' if cfg.reward_funcs else ''}: it needs a reward that is 1 exactly "
-                          "when the completion is the reference answer (addition, addition_mixed); use history or "
-                          "shared")
-    if cfg.model is not None:
-        from polyrl.model import TOKENIZER_FILES
-
-        if not any((Path(cfg.model) / f).is_file() for f in TOKENIZER_FILES):
-            raise ConfigError(f"model = {cfg.model!r} has no tokenizer ({' or '.join(TOKENIZER_FILES)})")
-    from polyrl.checkpoint import latest_checkpoint, resume_checkpoint, verify_checkpoint
-
-    if cfg.resume and cfg.overwrite:
-        raise ConfigError("resume = true and overwrite = true contradict each other; choose one")
-    plan = TrainPlan(cfg, method, task, run_dir, overrides, changes)
-    if cfg.resume:
-        checkpoint = resume_checkpoint(run_dir, cfg.resume_from)
-        cfg.resume_from, plan.resume_step = str(checkpoint), int(verify_checkpoint(checkpoint)["step"])
-    elif cfg.overwrite:
-        shutil.rmtree(run_dir, ignore_errors=True)
-    elif latest_checkpoint(run_dir) is not None:
-        raise ConfigError(f"run_dir = {run_dir!r} already holds checkpoints; pass --resume to continue it, "
-                          "--overwrite to start over, or another --run-dir")
-    return plan
-
-
-def _resume_settings(run_dir: str, values: dict[str, Any], overrides: dict[str, Any]):
-    """The run's own settings and part overrides (config.json), with the changes a resume may make."""
-    from polyrl.runs import CONFIG, RESUME_MAY_CHANGE, resume_values, saved_record
-
-    record = saved_record(run_dir)
-    if record is None:
-        if Path(run_dir).is_dir():  # started from Python (train()): no record, so the flags given are the settings
-            console.print(f"[yellow]{run_dir} has no {CONFIG}: resuming with the settings given on this command[/]")
-        return values, overrides, {}
-    merged, changes = resume_values(record["config"], values, what=f" ({run_dir}/{CONFIG})")
-    saved_overrides = record.get("overrides")
-    if saved_overrides is not None:  # runs recorded before part overrides were saved accept the ones given
-        for key, new in overrides.items():
-            if saved_overrides.get(key) != new:
-                flag, old = "--" + key.replace("_", "-"), saved_overrides.get(key)
-                raise ConfigError(f"{flag} {new!r} differs from the run's own "
-                                  f"{'(the preset' + chr(39) + 's)' if old is None else repr(old)} "
-                                  f"({run_dir}/{CONFIG}); a resume keeps the run's settings and method (may change: "
-                                  f"{', '.join(RESUME_MAY_CHANGE)}): drop the flag, or start a new run with another "
-                                  "--run-dir")
-        overrides = dict(saved_overrides)
-    return merged, overrides, changes
-
-
-def reward_specs(cfg) -> tuple[list[str], list[float] | None]:
-    """The reward channels of ``cfg``: function specs (default: the task's checker) and their weights."""
-    specs = [s.strip() for s in cfg.reward_funcs.split(",")] if cfg.reward_funcs else ["task"]
-    try:
-        weights = [float(w) for w in cfg.reward_weights.split(",")] if cfg.reward_weights else None
-    except ValueError:
-        raise ConfigError(f"reward_weights = {cfg.reward_weights!r} must be comma-separated numbers") from None
-    return specs, weights
-
-
 def cmd_train(args: argparse.Namespace) -> int:
     from polyrl.catalog import method_dict
     from polyrl.config import to_dict
@@ -333,6 +185,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     from polyrl.trainer import train
 
     plan = resolve_train(args)
+    for note in plan.notes:
+        console.print(note)
     cfg, method, task, run_dir = plan.cfg, plan.method, plan.task, plan.run_dir
     if cfg.model is None:
         from polyrl.tinylm import warmstart
@@ -367,8 +221,11 @@ class OneLineParser(argparse.ArgumentParser):
     """argparse, but a usage error is one line (naming the option and value) and exit code 2."""
 
     subcommands: Any = None  # the action of add_subparsers: command name -> its parser
+    raising = False  # raise ConfigError instead of exiting (flags checked inside another command)
 
     def error(self, message: str):  # type: ignore[override]
+        if self.raising:
+            raise ConfigError(message)
         print(f"{self.prog}: error: {message}", file=sys.stderr)
         raise SystemExit(2)
 
@@ -426,7 +283,10 @@ def cmd_compare(args: argparse.Namespace) -> int:
         from polyrl.tinylm import warmstart
 
         model = warmstart(args.task, cache_dir() / "warmstart", seed=0).path
-    validate_runs(methods, shared, per_method, model, presets)
+    flags = OneLineParser(prog="polyrl train", add_help=False)
+    flags.raising = True
+    add_train_args(flags)
+    validate_runs(methods, shared, per_method, model, presets, parse=flags.parse_args)
     out = Path(args.out)
     specs = plan_runs(methods, list(range(args.seeds)), out, shared, per_method, model, workers=args.workers,
                       presets=presets)
@@ -460,12 +320,8 @@ def build_parser(*, flow: bool = True) -> OneLineParser:
     else:
         sub.add_parser("flow", help=FLOW_HELP, add_help=False)
 
-    from polyrl.config import add_config_args
-
     p = sub.add_parser("train", help="RL-train a local Hugging Face causal LM with a preset (and overrides)")
-    p.add_argument("--config", metavar="FILE.toml", help="TOML file of train settings; flags override it")
-    add_config_args(p)
-    add_method_args(p)
+    add_train_args(p)
     p.set_defaults(fn=cmd_train)
 
     p = sub.add_parser("compare", help="run methods x seeds on one task and report stability and efficiency",

@@ -196,12 +196,16 @@ def load_toml(path: str | os.PathLike, cls: type = TrainConfig) -> dict[str, Any
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"config file {str(p)!r} is not valid TOML: {e}") from None
     known = {f.name for f in fields(cls)}
+    # A table names a feature: [tree] roots = "sample" is tree_roots = "sample" (flags stay flat: --tree-roots).
+    flat = [(f"{table}.{k}", f"{table}_{k}", v) for table, sub in data.items() if isinstance(sub, dict)
+            for k, v in sub.items()]
+    flat += [(key, key, value) for key, value in data.items() if not isinstance(value, dict)]
     out = {}
-    for key, value in data.items():
-        name = key.replace("-", "_")
-        if name not in known and not isinstance(value, dict):
+    for key, name, value in flat:
+        name = name.replace("-", "_")
+        if name not in known or isinstance(value, dict):
             near = difflib.get_close_matches(name, known, n=1)
-            hint = f" (did you mean {near[0]!r}?)" if near else ""
+            hint = f" (did you mean {near[0].replace('_', '.', 1) if '.' in key else near[0]!r}?)" if near else ""
             raise ConfigError(f"config file {str(p)!r}: unknown field {key!r}{hint}; "
                               f"allowed: {', '.join(sorted(known))}")
         out[name] = value
@@ -251,6 +255,9 @@ def validate(cfg: TrainConfig) -> None:
     _rule("max_grad_norm", cfg.max_grad_norm, cfg.max_grad_norm >= 0, "must be >= 0 (0 = off)")
     _rule("guard_lr_factor", cfg.guard_lr_factor, 0 < cfg.guard_lr_factor < 1, "must be in (0, 1)")
     _rule("guard_max_rollbacks", cfg.guard_max_rollbacks, cfg.guard_max_rollbacks >= 1, "must be an integer >= 1")
+    for name in ("guard_lr_factor", "guard_max_rollbacks"):
+        _rule(name, getattr(cfg, name), cfg.guard or getattr(cfg, name) == getattr(TrainConfig(), name),
+              "only applies with the collapse guard (add --guard)")
     if cfg.guard:
         _rule("checkpoint_every", cfg.checkpoint_every, cfg.checkpoint_every >= 1,
               "must be >= 1 with --guard (the guard rolls back to a checkpoint)")
@@ -296,6 +303,13 @@ def validate(cfg: TrainConfig) -> None:
         _rule(name, getattr(cfg, name), cfg.agency is not None or getattr(cfg, name) == getattr(default, name),
               "only applies with agency transfer (add --agency DIR)")
     _rule("value_clip", cfg.value_clip, cfg.value_clip > 0, "must be > 0")
+    _rule("fp32_lm_head", cfg.fp32_lm_head, not cfg.fp32_lm_head or cfg.dtype != "float32",
+          "only applies with dtype = 'bfloat16' (a float32 model's head is float32 already)")
+    if cfg.wandb:
+        import importlib.util
+
+        _rule("wandb", cfg.wandb, importlib.util.find_spec("wandb") is not None,
+              "needs the wandb package (pip install wandb); TensorBoard events are written without it")
     _rule("temperature", cfg.temperature, cfg.temperature > 0, "must be > 0")
     _rule("top_p", cfg.top_p, 0 < cfg.top_p <= 1, "must be in (0, 1]")
     batch = cfg.prompts_per_step * cfg.group_size

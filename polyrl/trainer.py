@@ -43,7 +43,7 @@ from polyrl.rollout.pipeline import AsyncPipeline, prefetched
 from polyrl.rollout.tree import TreeSampler, tree_advantages
 from polyrl.runs import cut_logs, read_rows
 from polyrl.tasks.base import Prompt, Task
-from polyrl.tasks.rewards import RewardChannels
+from polyrl.tasks.rewards import RewardChannels, parse_reward_specs
 from polyrl.update import Scored, update_policy
 
 
@@ -143,7 +143,12 @@ def _advantages(method: Method, batch: RolloutBatch, mask: torch.Tensor, values,
     spec = method.advantage
     fn = ADVANTAGES.fn(spec.name)
     if batch.tree is not None:  # tree rollouts: root groups before the branch point, sibling groups after
-        return tree_advantages(lambda r, g, m: fn(r, g, m, None, None, **spec.params), batch.rewards.double(),
+        # Tree groups compare sequence rewards, so a KL penalty in the reward is summed over the tokens each sample
+        # trains on first (a continuation's copy of its prefix has loss mask 0: the root rollout carries it).
+        rewards = batch.rewards.double()
+        if token_rewards is not None:
+            rewards = rewards + (token_rewards * mask.double()).sum(-1)
+        return tree_advantages(lambda r, g, m: fn(r, g, m, None, None, **spec.params), rewards,
                                batch.tree, mask.double()).float()
     # Estimators tagged "channels" (GDPO) normalise each reward channel separately when the task has several.
     per_channel = "channels" in ADVANTAGES.spec(spec.name).tags and batch.channels is not None
@@ -158,8 +163,7 @@ def train(cfg: TrainConfig, method: Method, *, model_dir: str, task: Task, run_d
     """Run RL training as configured; return the summary also written to ``run_dir/summary.json``."""
     console = console or Console()
     _seed_everything(cfg.seed)
-    rewards = RewardChannels(task, [s.strip() for s in cfg.reward_funcs.split(",")] if cfg.reward_funcs else ["task"],
-                             [float(w) for w in cfg.reward_weights.split(",")] if cfg.reward_weights else None)
+    rewards = RewardChannels(task, *parse_reward_specs(cfg.reward_funcs, cfg.reward_weights))
     from polyrl.model import load_policy
 
     policy, tokenizer = load_policy(model_dir, dtype=cfg.dtype, threads=_trainer_threads(cfg))
@@ -356,9 +360,10 @@ def rl_step(cfg: TrainConfig, method: Method, state: TrainState, parts: Componen
             values = critic(tb) * tb.loss_mask
 
     # 3. advantages ----------------------------------------------------------------------------------
-    token_rewards = None
+    token_rewards, kl_metrics = None, {}
     if method.kl_placement == "reward" and ref_logp is not None:
         token_rewards = -kl_reward_penalty(method, old_logp, ref_logp, tb.loss_mask).double()
+        kl_metrics["reward/kl_penalty"] = float(masked_mean(-token_rewards, tb.loss_mask))  # verl's reward_kl_penalty
     adv = _advantages(method, batch, tb.loss_mask, values.double() if values is not None else None, token_rewards)
     returns = None
     if critic is not None:
@@ -390,6 +395,7 @@ def rl_step(cfg: TrainConfig, method: Method, state: TrainState, parts: Componen
     state.last_samples = [{"prompt": p.text, "completion": s.text, "reward": float(r)}
                           for p, s, r in list(zip(batch.prompts, batch.samples, batch.scores))[:4]]
     metrics.update(batch.stats)
+    metrics.update(kl_metrics)
     metrics.update({
         "reward/mean": float(batch.scores.mean()),
         "reward/shaped_mean": float(batch.rewards.mean()),

@@ -10,10 +10,12 @@ before the first run starts, so a typo fails in one line instead of after an hou
 
 from __future__ import annotations
 
+import argparse
 import shlex
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -83,19 +85,20 @@ def plan_runs(methods: list[str], seeds: list[int], out: Path, shared: list[str]
 
 
 def validate_runs(methods: list[str], shared: list[str], per_method: dict[str, list[str]], model: str,
-                  presets: dict[str, str] | None = None) -> None:
-    """Resolve every method's full train configuration now (raises ConfigError / PartError in one line)."""
-    from polyrl.cli import build_parser, resolve_train
+                  presets: dict[str, str] | None, *, parse: Callable[[list[str]], argparse.Namespace]) -> None:
+    """Resolve every method's full train configuration now (raises ConfigError / PartError in one line).
 
-    parser = build_parser()
+    ``parse`` turns `polyrl train` flags into their namespace, raising ConfigError on a bad flag.
+    """
+    from polyrl.build import resolve_train
+
     presets = presets or {}
     for method in methods:
-        argv = ["train", "--method", presets.get(method, method), "--model", model, *shared,
-                *per_method.get(method, [])]
+        argv = ["--method", presets.get(method, method), "--model", model, *shared, *per_method.get(method, [])]
         try:
-            args = parser.parse_args(argv)
-        except SystemExit:
-            raise ConfigError(f"the flags for method {method!r} do not parse: {' '.join(argv[4:])}") from None
+            args = parse(argv)
+        except ConfigError as e:
+            raise ConfigError(f"the flags for method {method!r}: {e}") from None
         args.run_dir = str(Path("/nonexistent-polyrl-validation") / method)  # resolving must not touch real dirs
         resolve_train(args)
 

@@ -43,6 +43,16 @@ def load_callable(spec: str) -> RewardFn:
     return fn
 
 
+def parse_reward_specs(funcs: str | None, weights: str | None) -> tuple[list[str], list[float] | None]:
+    """``--reward-funcs a,b`` and ``--reward-weights 1,0.2`` -> specs (default: the task's checker) and weights."""
+    specs = [s.strip() for s in funcs.split(",")] if funcs else ["task"]
+    try:
+        values = [float(w) for w in weights.split(",")] if weights else None
+    except ValueError:
+        raise ValueError(f"reward_weights = {weights!r} must be comma-separated numbers") from None
+    return specs, values
+
+
 @dataclass
 class Rewards:
     """Weighted totals of one batch and, when there are several channels, each channel's values."""

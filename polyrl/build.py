@@ -1,0 +1,196 @@
+"""The builder: the one reader of `polyrl train` settings that turns them into a validated plan.
+
+``resolve_train`` merges a TOML file beneath the flags (on ``--resume``, the run's own settings from its
+``config.json``), resolves the method with its part overrides, builds the task and its reward channels,
+and checks every rule that spans fields, the method and the task (``check_combinations``), so that a
+setting that would have no effect is refused in one line before anything is loaded. The CLI and the lab
+both call it; it imports nothing heavy until it runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from polyrl.config import ConfigError, TrainConfig, add_config_args
+
+
+def add_method_args(p: argparse.ArgumentParser) -> None:
+    """Part overrides shared by every command that takes a method (explain, train, compare)."""
+    g = p.add_argument_group("part overrides (NAME or NAME:key=value,key=value)")
+    g.add_argument("--advantage", help="advantage estimator, e.g. rloo or grpo:eps=1e-4")
+    g.add_argument("--ratio", help="ratio granularity, e.g. sequence")
+    g.add_argument("--trust-region", help="trust region, e.g. dppo_tv:delta_low=0.1,delta_high=0.1")
+    g.add_argument("--aggregation", help="loss aggregation, e.g. prompt_mean")
+    g.add_argument("--correction", action="append", help="rollout-mismatch correction (repeatable; 'none' clears)")
+    g.add_argument("--shaper", action="append", help="reward shaper (repeatable; 'none' clears)")
+    g.add_argument("--filter", action="append", help="group filter (repeatable; 'none' clears)")
+    g.add_argument("--kl", help="KL estimator (k1, k2, k3, k3_plus, ...; 'none' removes the KL term)")
+    g.add_argument("--kl-coef", type=float, help="KL coefficient beta (>= 0)")
+    g.add_argument("--kl-placement", choices=["loss", "reward"], help="KL in the loss or in the reward")
+    g.add_argument("--anchor", choices=["old", "rollout"], help="ratio denominator: pi_old or the rollout policy")
+
+
+def add_train_args(p: argparse.ArgumentParser) -> None:
+    """Every `polyrl train` option: a TOML file, one flag per ``TrainConfig`` field, the part overrides."""
+    p.add_argument("--config", metavar="FILE.toml", help="TOML file of train settings; flags override it")
+    add_config_args(p)
+    add_method_args(p)
+
+
+def part_changes(overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """Part overrides as given on the command line (``add_method_args`` dests) -> ``get_method`` keywords."""
+    changes: dict[str, Any] = {}
+    for key in ("advantage", "ratio", "trust_region", "aggregation", "kl", "kl_coef", "kl_placement", "anchor"):
+        if overrides.get(key) is not None:
+            changes[key] = overrides[key]
+    for key, plural in (("correction", "corrections"), ("shaper", "shapers"), ("filter", "filters")):
+        if overrides.get(key) is not None:
+            changes[plural] = [v for v in overrides[key] if v != "none"]
+    if changes.get("kl") == "none":
+        changes["kl"], changes["kl_coef"] = None, 0.0
+    return changes
+
+
+def method_from_overrides(name: str, overrides: Mapping[str, Any]):
+    """Resolve preset ``name`` with command-line part overrides (raises PartError)."""
+    from polyrl.methods import get_method
+
+    return get_method(name, **part_changes(overrides))
+
+
+METHOD_OVERRIDES = ("advantage", "ratio", "trust_region", "aggregation", "kl", "kl_coef", "kl_placement", "anchor",
+                    "correction", "shaper", "filter")  # dests of add_method_args
+
+
+@dataclass
+class TrainPlan:
+    """A validated `polyrl train`: settings, method, task, run directory, and what a resume changes."""
+
+    cfg: TrainConfig
+    method: Any  # Method
+    task: Any  # Task
+    run_dir: str
+    overrides: dict[str, Any]  # part overrides as given (recorded in config.json)
+    changes: dict[str, list] = field(default_factory=dict)  # resume: {setting: [saved, new]}
+    resume_step: int | None = None  # resume: the checkpoint's step
+    notes: list[str] = field(default_factory=list)  # what the builder added or assumed, for the console
+
+
+def resolve_train(args: argparse.Namespace) -> TrainPlan:
+    """Config (TOML beneath flags; on resume the run's own), method with overrides, task, run directory: validated."""
+    from polyrl.config import build_config, load_toml, validate
+    from polyrl.tasks import get_task
+    from polyrl.tasks.rewards import RewardChannels, parse_reward_specs
+
+    values = load_toml(args.config) if args.config else {}
+    values.update({k: v for k, v in vars(args).items() if k in TrainConfig.__dataclass_fields__ and v is not None})
+    if values.get("resume_from") is not None:
+        values["resume"] = True
+    overrides = {k: getattr(args, k) for k in METHOD_OVERRIDES if getattr(args, k, None) is not None}
+    given = build_config(values)
+    run_dir = given.run_dir or f"runs/{method_from_overrides(given.method, overrides).name}-{given.task}-s{given.seed}"
+    changes: dict[str, list] = {}
+    notes: list[str] = []
+    if given.resume and not given.overwrite:
+        values, overrides, changes = _resume_settings(run_dir, values, overrides, notes)
+    cfg = build_config(values)
+    cfg.run_dir = run_dir
+    validate(cfg)
+    method = method_from_overrides(cfg.method, overrides)
+    if cfg.agency is not None and not method.corrections and "correction" not in overrides:
+        # The behaviour policy is the baseline/learner mixture: importance weights pi_theta / mu keep the update
+        # on-policy for the learner (truncated at C = 2, verl's default); an explicit --correction overrides.
+        from polyrl.objectives import override
+
+        method = override(method, corrections=["tis"])
+        notes.append("agency transfer: adding the TIS correction (pi_theta / mixture, C = 2) to the method")
+    try:
+        task = get_task(cfg.task, data_file=cfg.data_file, heldout_percent=cfg.heldout_percent)
+        RewardChannels(task, *parse_reward_specs(cfg.reward_funcs, cfg.reward_weights))  # imports them: fail now
+    except (ValueError, FileNotFoundError, KeyError) as e:
+        raise ConfigError(f"task = {cfg.task!r}: {e}") from None
+    check_combinations(cfg, method, task)
+    if cfg.model is not None:
+        from polyrl.model import TOKENIZER_FILES
+
+        if not any((Path(cfg.model) / f).is_file() for f in TOKENIZER_FILES):
+            raise ConfigError(f"model = {cfg.model!r} has no tokenizer ({' or '.join(TOKENIZER_FILES)})")
+    from polyrl.checkpoint import latest_checkpoint, resume_checkpoint, verify_checkpoint
+
+    if cfg.resume and cfg.overwrite:
+        raise ConfigError("resume = true and overwrite = true contradict each other; choose one")
+    plan = TrainPlan(cfg, method, task, run_dir, overrides, changes, notes=notes)
+    if cfg.resume:
+        checkpoint = resume_checkpoint(run_dir, cfg.resume_from)
+        cfg.resume_from, plan.resume_step = str(checkpoint), int(verify_checkpoint(checkpoint)["step"])
+    elif cfg.overwrite:
+        shutil.rmtree(run_dir, ignore_errors=True)
+    elif latest_checkpoint(run_dir) is not None:
+        raise ConfigError(f"run_dir = {run_dir!r} already holds checkpoints; pass --resume to continue it, "
+                          "--overwrite to start over, or another --run-dir")
+    return plan
+
+
+def check_combinations(cfg: TrainConfig, method, task) -> None:
+    """Refuse, in one line naming both sides, a setting that the method, the task or another setting makes moot.
+
+    The rules that need only the config live in ``config.validate``; these also need the method or the task.
+    """
+    from polyrl.registry import ADVANTAGES
+
+    default = TrainConfig()
+    adv = method.advantage.name
+    if method.needs_groups and cfg.group_size < 2:
+        raise ConfigError(f"group_size = {cfg.group_size} is not allowed with advantage {adv!r} "
+                          "(a group estimator needs >= 2 completions per prompt)")
+    if cfg.sampler == "tree" and (not method.needs_groups or method.needs_values or method.filters):
+        raise ConfigError(f"sampler = 'tree' needs a group advantage estimator and no group filters; method "
+                          f"{method.name!r} has advantage {adv!r} and filters "
+                          f"{[f.name for f in method.filters]} (try --advantage grpo --filter none)")
+    if cfg.sampler == "tree" and "channels" in ADVANTAGES.spec(adv).tags and cfg.reward_funcs:
+        raise ConfigError(f"sampler = 'tree' is not allowed with advantage {adv!r} and reward_funcs: tree groups "
+                          "are compared on the summed reward, so its per-channel normalisation would be lost; use "
+                          "--sampler uniform")
+    for name in ("critic_lr", "value_clip"):
+        if not method.needs_values and getattr(cfg, name) != getattr(default, name):
+            raise ConfigError(f"{name} = {getattr(cfg, name)!r} has no effect with method {method.name!r}: its "
+                              f"advantage {adv!r} uses no critic (a critic preset such as ppo does)")
+    if cfg.max_gen_rounds != default.max_gen_rounds and (cfg.sampler == "tree" or not method.filters):
+        why = "sampler = 'tree' spends a fixed budget" if cfg.sampler == "tree" else \
+            f"method {method.name!r} has no group filter that could drop a group"
+        raise ConfigError(f"max_gen_rounds = {cfg.max_gen_rounds} has no effect: {why} (it bounds the refill "
+                          "rounds of dynamic sampling)")
+    if cfg.tree_predictor == "likelihood" and not getattr(task, "exact_answer", False):
+        raise ConfigError(f"tree_predictor = 'likelihood' is not allowed with task = {cfg.task!r}"
+                          f"{' and reward_funcs' if cfg.reward_funcs else ''}: it needs a reward that is 1 exactly "
+                          "when the completion is the reference answer (addition, addition_mixed); use history or "
+                          "shared")
+
+
+def _resume_settings(run_dir: str, values: dict[str, Any], overrides: dict[str, Any], notes: list[str]):
+    """The run's own settings and part overrides (config.json), with the changes a resume may make."""
+    from polyrl.runs import CONFIG, RESUME_MAY_CHANGE, resume_values, saved_record
+
+    record = saved_record(run_dir)
+    if record is None:
+        if Path(run_dir).is_dir():  # started from Python (train()): no record, so the flags given are the settings
+            notes.append(f"{run_dir} has no {CONFIG}: resuming with the settings given on this command")
+        return values, overrides, {}
+    merged, changes = resume_values(record["config"], values, what=f" ({run_dir}/{CONFIG})")
+    saved_overrides = record.get("overrides")
+    if saved_overrides is not None:  # runs recorded before part overrides were saved accept the ones given
+        for key, new in overrides.items():
+            if saved_overrides.get(key) != new:
+                flag, old = "--" + key.replace("_", "-"), saved_overrides.get(key)
+                raise ConfigError(f"{flag} {new!r} differs from the run's own "
+                                  f"{'(the preset' + chr(39) + 's)' if old is None else repr(old)} "
+                                  f"({run_dir}/{CONFIG}); a resume keeps the run's settings and method (may change: "
+                                  f"{', '.join(RESUME_MAY_CHANGE)}): drop the flag, or start a new run with another "
+                                  "--run-dir")
+        overrides = dict(saved_overrides)
+    return merged, overrides, changes

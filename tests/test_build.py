@@ -1,0 +1,141 @@
+"""The builder refuses every setting that would have no effect, and the settings it accepts reach the maths."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import io
+import json
+
+import pytest
+import torch
+from rich.console import Console
+
+from polyrl.build import add_train_args, resolve_train
+from polyrl.config import ConfigError, TrainConfig, load_toml
+from polyrl.methods import get_method
+from polyrl.rollout.collect import RolloutBatch, TreeInfo
+from polyrl.tasks.arithmetic import AdditionTask
+from polyrl.tinylm import build_tiny_llama
+from polyrl.trainer import _advantages, train
+
+QUIET = Console(file=io.StringIO(), width=120)
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    return str(build_tiny_llama(tmp_path_factory.mktemp("tiny"), hidden=32, layers=2, heads=2, seed=0))
+
+
+def _resolve(argv, tmp_path):
+    parser = argparse.ArgumentParser()
+    add_train_args(parser)
+    args = parser.parse_args([*argv, "--run-dir", str(tmp_path / "never-written")])
+    return resolve_train(args)
+
+
+# Every field whose effect depends on another setting: (field, a non-default value, flags that make it moot).
+MOOT = [
+    ("data_file", "{data}", []),  # addition reads no file
+    ("heldout_percent", 20, []),  # no data file to split
+    ("critic_lr", 1e-3, []),  # grpo has no critic
+    ("value_clip", 0.2, []),
+    ("max_gen_rounds", 2, []),  # grpo has no group filter
+    ("max_gen_rounds", 2, ["--method", "dapo", "--sampler", "tree", "--filter", "none"]),  # tree: fixed budget
+    ("tree_root_frac", 0.25, []),  # uniform sampler
+    ("tree_candidates", 3.0, []),
+    ("tree_prune", 0.1, []),
+    ("tree_half_life", 5.0, []),
+    ("tree_max_group", 16, []),
+    ("tree_predictor", "shared", []),
+    ("tree_probe", "groups", []),
+    ("tree_roots", "sample", []),
+    ("tree_branch", False, []),
+    ("tree_half_life", 5.0, ["--sampler", "tree", "--tree-predictor", "likelihood"]),  # no history to age
+    ("agency_schedule", "exp:tau=10", []),  # no baseline
+    ("agency_mode", "sequence", []),
+    ("guard_lr_factor", 0.25, []),  # no guard
+    ("guard_max_rollbacks", 5, []),
+    ("fp32_lm_head", True, []),  # float32 model
+]
+# Fields that always change what runs (or how the run is kept and shown).
+ALWAYS = {"method", "task", "reward_funcs", "reward_weights", "model", "run_dir", "steps", "prompts_per_step",
+          "group_size", "max_new_tokens", "temperature", "top_p", "top_k", "lr", "warmup_steps", "weight_decay",
+          "max_grad_norm", "epochs_per_batch", "minibatches", "micro_batch_size", "train_prompts", "sampler",
+          "agency", "async_staleness", "eval_every", "eval_prompts", "checkpoint_every", "resume", "resume_from",
+          "overwrite", "seed", "threads", "dtype", "guard", "max_bad_steps", "log_every", "tensorboard", "wandb"}
+
+
+def test_every_field_is_classified():
+    names = {f.name for f in dataclasses.fields(TrainConfig)}
+    assert names == ALWAYS | {m[0] for m in MOOT}, "classify the new field: MOOT (with a moot setting) or ALWAYS"
+
+
+@pytest.mark.parametrize("name,value,moot", MOOT, ids=[f"{m[0]}-{i}" for i, m in enumerate(MOOT)])
+def test_a_setting_without_effect_is_refused_in_one_line(tiny_model, tmp_path, name, value, moot):
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"question": f"{i}+1", "answer": str(i + 1)}) + "\n" for i in range(40)))
+    flag = "--" + name.replace("_", "-")
+    value = str(value).format(data=data)
+    as_flag = [flag] if value == "True" else ["--no-" + flag[2:]] if value == "False" else [flag, value]
+    with pytest.raises(ConfigError) as e:
+        _resolve(["--model", tiny_model, *moot, *as_flag], tmp_path)
+    assert name in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("argv", [
+    ["--method", "ppo", "--critic-lr", "1e-3", "--value-clip", "0.2"],  # a critic preset
+    ["--method", "dapo", "--max-gen-rounds", "2"],  # dynamic sampling refills
+    ["--guard", "--guard-lr-factor", "0.25"],
+    ["--sampler", "tree", "--tree-roots", "sample"],
+    ["--method", "rloo", "--sampler", "tree"],  # KL in the reward under the tree: folded into its rewards
+])
+def test_the_same_settings_are_accepted_where_they_act(tiny_model, tmp_path, argv):
+    _resolve(["--model", tiny_model, *argv], tmp_path)
+
+
+def test_gdpo_channels_and_the_tree_are_refused_together(tiny_model, tmp_path):
+    with pytest.raises(ConfigError, match="sampler = 'tree' is not allowed with advantage 'gdpo' and reward_funcs"):
+        _resolve(["--model", tiny_model, "--method", "gdpo", "--sampler", "tree",
+                  "--reward-funcs", "task,tests.reward_fns:digit_fraction"], tmp_path)
+
+
+def test_toml_tables_name_features_and_unknown_keys_are_refused(tmp_path):
+    good, bad = tmp_path / "good.toml", tmp_path / "bad.toml"
+    good.write_text('steps = 3\nsampler = "tree"\n[tree]\nroots = "sample"\nbranch = false\n')
+    assert load_toml(good) == {"steps": 3, "sampler": "tree", "tree_roots": "sample", "tree_branch": False}
+    bad.write_text('[tree]\nrots = "sample"\n')
+    with pytest.raises(ConfigError, match=r"unknown field 'tree.rots' \(did you mean 'tree.roots'\?\)"):
+        load_toml(bad)
+
+
+def _tree_batch(rewards):
+    B = len(rewards)
+    tree = TreeInfo(root_ids=torch.tensor([0, 0, 1, 1]), sibling_ids=torch.full((B,), -1),
+                    branch_at=torch.zeros(B, dtype=torch.long), is_root=torch.ones(B, dtype=torch.bool))
+    return RolloutBatch(group_ids=torch.tensor([0, 0, 1, 1]), prompts=[], samples=[], scores=torch.tensor(rewards),
+                        rewards=torch.tensor(rewards), keep=torch.ones(B, dtype=torch.bool),
+                        truncated=torch.zeros(B, dtype=torch.bool), lengths=torch.full((B,), 3), tree=tree)
+
+
+def test_a_kl_penalty_in_the_reward_reaches_tree_advantages():
+    method = get_method("rloo")
+    mask = torch.ones(4, 3)
+    batch = _tree_batch([1.0, 1.0, 0.0, 1.0])
+    penalty = torch.tensor([[0.0] * 3, [0.2] * 3, [0.0] * 3, [0.0] * 3], dtype=torch.float64)
+    plain = _advantages(method, batch, mask, None, None)
+    kl = _advantages(method, batch, mask, None, -penalty)
+    assert plain[0, 0] == plain[1, 0] == 0  # equal rewards: no signal without the penalty
+    # rloo on sequence rewards 1 and 1 - 0.6: each sample against the other
+    assert kl[0, 0].item() == pytest.approx(0.6) and kl[1, 0].item() == pytest.approx(-0.6)
+    assert torch.equal(kl[2:], plain[2:])  # the other group has no penalty
+
+
+def test_rloo_under_the_tree_sampler_logs_its_reward_kl_penalty(tiny_model, tmp_path):
+    cfg = TrainConfig(steps=2, prompts_per_step=2, group_size=4, max_new_tokens=4, eval_prompts=4, eval_every=0,
+                      checkpoint_every=0, tensorboard=False, log_every=0, lr=1e-2, warmup_steps=0, threads=1,
+                      sampler="tree", reward_funcs="tests.reward_fns:digit_fraction")
+    train(cfg, get_method("rloo"), model_dir=tiny_model, task=AdditionTask(), run_dir=str(tmp_path), console=QUIET)
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    penalties = [r["reward/kl_penalty"] for r in rows if "reward/mean" in r]
+    assert len(penalties) == 2 and penalties[0] == 0.0 < penalties[1]  # the policy has moved from the reference
