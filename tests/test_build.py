@@ -139,3 +139,12 @@ def test_rloo_under_the_tree_sampler_logs_its_reward_kl_penalty(tiny_model, tmp_
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     penalties = [r["reward/kl_penalty"] for r in rows if "reward/mean" in r]
     assert len(penalties) == 2 and penalties[0] == 0.0 < penalties[1]  # the policy has moved from the reference
+
+
+def test_dynamic_sampling_refills_until_its_round_limit(tiny_model, tmp_path):
+    # An untrained model never solves addition: every DAPO group is all-fail and dropped, round after round.
+    cfg = TrainConfig(steps=1, prompts_per_step=2, group_size=2, max_new_tokens=3, eval_prompts=4, eval_every=0,
+                      checkpoint_every=0, tensorboard=False, log_every=0, threads=1, max_gen_rounds=3)
+    train(cfg, get_method("dapo"), model_dir=tiny_model, task=AdditionTask(), run_dir=str(tmp_path), console=QUIET)
+    row = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()][1]
+    assert row["rollout/gen_rounds"] == 3 and row["rollout/generated"] == 3 * 2 * 2 and row["rollout/empty_steps"] == 1

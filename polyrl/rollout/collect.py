@@ -101,9 +101,9 @@ def collect(
         lengths = torch.tensor([len(s.completion_token_ids) for s in samples])
         truncated = torch.tensor([s.finish_reason == "length" for s in samples])
         gids = torch.tensor([drawn[s.prompt_index][0] for s in samples])
-        rewards = scores.clone()
+        shaped = scores.clone()
         for shaper in method.shapers:
-            rewards = SHAPERS.fn(shaper.name)(rewards, lengths, truncated, params.max_new_tokens, **shaper.params)
+            shaped = SHAPERS.fn(shaper.name)(shaped, lengths, truncated, params.max_new_tokens, **shaper.params)
         keep = torch.ones(len(samples), dtype=torch.bool)
         for filt in method.filters:
             # Filters judge the task scores, not the shaped rewards: DAPO's dynamic sampling drops groups whose
@@ -116,7 +116,7 @@ def collect(
             rows = slice(g * G, (g + 1) * G)
             history[pool_idx] = max(history.get(pool_idx, 0.0), float(scores[rows].clamp(0, 1).mean()))
             if keep[rows].any() and len(kept_groups) < num_groups:
-                kept_groups.append((pool_idx, prompt, samples[rows], scores[rows], rewards[rows], keep[rows],
+                kept_groups.append((pool_idx, prompt, samples[rows], scores[rows], shaped[rows], keep[rows],
                                     None if channels is None else channels[rows], lengths[rows], truncated[rows]))
     if not kept_groups:
         raise NoUsableGroups(
