@@ -194,3 +194,110 @@ def _resume_settings(run_dir: str, values: dict[str, Any], overrides: dict[str, 
                                   "--run-dir")
         overrides = dict(saved_overrides)
     return merged, overrides, changes
+
+
+TOPK = 8  # support size for trust regions that read top-K log-probs (tag "needs_topk")
+
+
+@dataclass
+class Components:
+    """The live objects of one run, built once from the settings; the loop talks to nothing else."""
+
+    learner: Any  # Learner: policy, reference, critic, optimizers
+    source: Any  # RolloutSource: where each step's scored rollouts come from
+    evaluate: Any  # Evaluator: held-out accuracy of the acting system at a step
+    pad_id: int
+    boundaries: frozenset[int]  # token ids that end a sub-sentence (segment ids for SSPO)
+    topk: int  # top-K support size when the trust region reads it, else 0
+
+
+def build_components(cfg: TrainConfig, method, task, model_dir: str) -> Components:
+    """Load the policy and build the learner, the rollout source and the evaluator that ``cfg`` asks for."""
+    import copy
+
+    from polyrl.evaluation import Evaluator
+    from polyrl.learner import LocalLearner, ValueHead, boundary_token_ids
+    from polyrl.model import load_policy
+    from polyrl.rollout.agency import AgencyArbiter, AgencySource, parse_schedule
+    from polyrl.rollout.episodes import EpisodeRunner
+    from polyrl.rollout.generator import SamplingParams
+    from polyrl.rollout.hf import HFGenerator
+    from polyrl.tasks.rewards import RewardChannels, parse_reward_specs
+
+    rewards = RewardChannels(task, *parse_reward_specs(cfg.reward_funcs, cfg.reward_weights))
+    policy, tokenizer = load_policy(model_dir, dtype=cfg.dtype, threads=_trainer_threads(cfg))
+    # The reference is a frozen copy of the starting model (synced to the policy by Humanline presets).
+    reference = copy.deepcopy(policy).eval().requires_grad_(False) if method.needs_ref else None
+    critic = ValueHead(copy.deepcopy(policy)) if method.needs_values else None
+    learner = LocalLearner(policy, lr=cfg.lr, weight_decay=cfg.weight_decay, warmup_steps=cfg.warmup_steps,
+                           max_grad_norm=cfg.max_grad_norm, temperature=cfg.temperature, top_p=cfg.top_p,
+                           top_k=cfg.top_k, fp32_head=cfg.fp32_lm_head, micro_batch_size=cfg.micro_batch_size,
+                           reference=reference, ref_sync_every=method.ref_sync_every, critic=critic,
+                           critic_lr=cfg.critic_lr, value_clip=cfg.value_clip)
+    # The sampler shares the policy module, so its weights are always current (no push needed in-process).
+    generator = HFGenerator(policy, tokenizer, fp32_head=cfg.fp32_lm_head)
+    arbiter = None
+    if cfg.agency is not None:  # agency transfer: a frozen baseline acts first, the learner takes over
+        baseline, _ = load_policy(cfg.agency, dtype=cfg.dtype)
+        arbiter = generator.arbiter = AgencyArbiter(baseline, parse_schedule(cfg.agency_schedule),
+                                                    mode=cfg.agency_mode)
+    runner = EpisodeRunner(generator, tokenizer, task)
+    evaluate = Evaluator(runner, task, task.prompts("test", cfg.eval_prompts, seed=0), cfg.max_new_tokens, arbiter)
+
+    def sampling(step: int) -> SamplingParams:
+        return SamplingParams(n=cfg.group_size, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
+                              top_p=cfg.top_p, top_k=cfg.top_k or None, seed=cfg.seed * 1_000_003 + step)
+
+    if cfg.sampler == "tree":
+        source = _tree_source(cfg, learner, generator, runner, rewards, sampling, tokenizer)
+    else:
+        source = _group_source(cfg, method, learner, runner, rewards, sampling, model_dir)
+    if arbiter is not None:
+        source = AgencySource(source, arbiter)
+    return Components(learner=learner, source=source, evaluate=evaluate, pad_id=generator.pad_id,
+                      boundaries=boundary_token_ids(tokenizer), topk=TOPK if method.needs_topk else 0)
+
+
+def _group_source(cfg: TrainConfig, method, learner, runner, rewards, sampling, model_dir: str):
+    from polyrl.rollout.group import GroupSource
+    from polyrl.rollout.pipeline import AsyncPipeline
+
+    def start_prefetch(version: int) -> AsyncPipeline:  # with the weights of the step it starts at (resume)
+        return AsyncPipeline(model_dir, task_name=cfg.task, data_file=cfg.data_file,
+                             heldout_percent=cfg.heldout_percent, staleness=cfg.async_staleness, dtype=cfg.dtype,
+                             fp32_head=cfg.fp32_lm_head, threads=_generator_threads(cfg), weights=learner.weights(),
+                             version=version, reference=method.needs_ref and not method.ref_sync_every,
+                             micro_batch_size=cfg.micro_batch_size, **learner.sampling)
+
+    return GroupSource(runner, rewards, num_groups=cfg.prompts_per_step, sampling=sampling,
+                       max_rounds=cfg.max_gen_rounds, steps=cfg.steps,
+                       start_prefetch=start_prefetch if cfg.async_staleness else None)
+
+
+def _tree_source(cfg: TrainConfig, learner, generator, runner, rewards, sampling, tokenizer):
+    from polyrl.learner import answer_likelihood, prompt_embedder
+    from polyrl.rollout.tree import TreeSampler, TreeSource
+
+    kind = cfg.tree_predictor
+    embed = prompt_embedder(learner.model, tokenizer) if kind == "shared" else None
+    exact = answer_likelihood(learner, generator, cfg.max_new_tokens) if kind == "likelihood" else None
+    sampler = TreeSampler(runner, {}, root_frac=cfg.tree_root_frac, roots=cfg.tree_roots,
+                          candidate_factor=cfg.tree_candidates, prune=cfg.tree_prune, branch=cfg.tree_branch,
+                          half_life=cfg.tree_half_life, max_group=cfg.tree_max_group, objective=cfg.tree_probe,
+                          embed=embed, likelihood=exact)
+    return TreeSource(sampler, rewards, num_groups=cfg.prompts_per_step, sampling=sampling)
+
+
+def _generator_threads(cfg: TrainConfig) -> int:
+    """Threads of the asynchronous generation process: half the cores (the trainer keeps the rest)."""
+    import os
+
+    return max(1, (cfg.threads or os.cpu_count() or 1) // 2)
+
+
+def _trainer_threads(cfg: TrainConfig) -> int | None:
+    import os
+
+    if cfg.async_staleness:
+        return max(1, (cfg.threads or os.cpu_count() or 1) - _generator_threads(cfg))
+    return cfg.threads or None

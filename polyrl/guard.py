@@ -1,23 +1,23 @@
 """The collapse guard of `polyrl train --guard`: watch the collapse rule online, roll back on a collapse.
 
-The monitor sees every logged row, as the offline analysis (``polyrl.lab.collapse.first_collapse``)
+The monitor sees every logged row, as the offline analysis (``polyrl.collapse.first_collapse``)
 does, so a run is judged the same way during training and in the lab's report.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rich.console import Console
 
-from polyrl.checkpoint import latest_checkpoint, load_checkpoint
-from polyrl.config import TrainConfig
+from polyrl.checkpoint import latest_checkpoint
+from polyrl.collapse import CollapseMonitor, CollapseRule
 from polyrl.errors import TrainingError
-from polyrl.lab.collapse import CollapseMonitor, CollapseRule
-from polyrl.learner import LocalLearner
 
 if TYPE_CHECKING:
+    from polyrl.learner import Learner
     from polyrl.trainer import TrainState
 
 
@@ -30,22 +30,22 @@ def make_monitor(history: list[dict[str, float]], up_to: int) -> CollapseMonitor
     return monitor
 
 
-def roll_back(run: Path, state: TrainState, learner: LocalLearner, extra: dict, critic_opt, cfg: TrainConfig,
-              reason: str, console: Console) -> TrainState:
-    """Restore the newest checkpoint (saved while the run was healthy) and scale the learning rate down."""
+def roll_back(run: Path, state: TrainState, restore: Callable[[Path], TrainState], learner: Learner, *,
+              base_lr: float, factor: float, max_rollbacks: int, reason: str, console: Console) -> TrainState:
+    """Restore the newest checkpoint (saved while the run was healthy) and scale the learning rate down.
+
+    ``restore(path)`` loads a checkpoint into the learner and the rollout source and returns the loop's state;
+    the learning rate becomes ``base_lr * factor ** rollbacks``; more than ``max_rollbacks`` stop the run.
+    """
     ck = latest_checkpoint(run)
-    if ck is None or state.rollbacks >= cfg.guard_max_rollbacks:
+    if ck is None or state.rollbacks >= max_rollbacks:
         raise TrainingError(f"collapse at step {state.step} ({reason}) and "
                             + ("no checkpoint to roll back to" if ck is None else
                                f"already {state.rollbacks} rollbacks (guard_max_rollbacks)"))
-    saved = load_checkpoint(ck, **learner.state(), extra_models=extra)
-    critic_opt_state = saved.pop("critic_optimizer", None)
-    if critic_opt is not None and critic_opt_state is not None:
-        critic_opt.load_state_dict(critic_opt_state)
-    restored = type(state)(**saved)
+    restored = restore(ck)
     restored.rollbacks = state.rollbacks + 1
     restored.skipped_total, restored.empty_steps = state.skipped_total, state.empty_steps
-    learner.set_base_lr(cfg.lr * cfg.guard_lr_factor ** restored.rollbacks)
+    learner.set_base_lr(base_lr * factor ** restored.rollbacks)
     console.print(f"[yellow]guard[/]: collapse at step {state.step} ({reason}); rolled back to step "
-                  f"{restored.step}, lr x{cfg.guard_lr_factor ** restored.rollbacks:g} (rollback {restored.rollbacks})")
+                  f"{restored.step}, lr x{factor ** restored.rollbacks:g} (rollback {restored.rollbacks})")
     return restored

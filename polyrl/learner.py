@@ -13,11 +13,13 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 from torch import Tensor, nn
 
+from polyrl.checkpoint import load_checkpoint, save_checkpoint
 from polyrl.model import TokenLogprobs, completion_logprobs
 from polyrl.rollout.generator import Sample
 from polyrl.tasks.base import Prompt
@@ -181,12 +183,23 @@ def answer_likelihood(learner: LocalLearner, generator, max_new_tokens: int) -> 
 
 
 class Learner(Protocol):
-    """What the training loop needs from a model backend."""
+    """What the training loop needs from a model backend: nothing outside a learner touches a model or optimizer."""
 
     def logprobs(self, batch: TokenBatch, *, grad: bool, topk: int = 0) -> TokenLogprobs: ...
+    def logprobs_nograd(self, batch: TokenBatch, *, topk: int = 0) -> TokenLogprobs: ...
+    def ref_logprobs(self, batch: TokenBatch, samples: list[Sample]) -> Tensor | None: ...  # None: no reference
+    def values(self, batch: TokenBatch) -> Tensor | None: ...  # critic values [B, T]; None: no critic
+    def begin_step(self, step: int) -> None: ...  # e.g. sync a reference that follows the policy
     def backward(self, loss: Tensor) -> None: ...
     def step(self) -> float: ...  # clip, optimizer and scheduler step; returns the pre-clip grad norm
-    def state(self) -> dict[str, Any]: ...
+    def skip_step(self) -> None: ...  # drop the accumulated gradients (a non-finite loss)
+    def critic_step(self, batch: TokenBatch, old_values: Tensor, returns: Tensor) -> dict[str, float]: ...
+    def set_base_lr(self, lr: float) -> None: ...
+    @property
+    def lr(self) -> float: ...
+    def weights(self) -> dict[str, Tensor]: ...  # the policy's state dict, for generators elsewhere
+    def save(self, run_dir: str | Path, step: int, state: dict[str, Any]) -> Path: ...
+    def load(self, path: str | Path) -> dict[str, Any]: ...  # restores in place; returns the trainer state
 
 
 class ValueHead(nn.Module):
@@ -216,7 +229,12 @@ def clipped_value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask
 
 
 class LocalLearner:
-    """Single-process learner: one policy (and optionally a critic) with AdamW and linear warm-up."""
+    """Single-process learner: one policy with AdamW and linear warm-up, its reference and its critic (if any).
+
+    The reference is a frozen copy of the starting model, or one that follows the policy every
+    ``ref_sync_every`` steps (Humanline presets; then it is state and is checkpointed). The critic is the
+    policy's architecture with a value head and its own AdamW (GAE presets).
+    """
 
     def __init__(
         self,
@@ -231,8 +249,16 @@ class LocalLearner:
         top_k: int,
         fp32_head: bool,
         micro_batch_size: int,
+        reference: nn.Module | None = None,
+        ref_sync_every: int = 0,
+        critic: ValueHead | None = None,
+        critic_lr: float = 1e-4,
+        value_clip: float = 0.5,
     ):
         self.model = model
+        self.reference, self.ref_sync_every = reference, ref_sync_every
+        self.critic, self.value_clip = critic, value_clip
+        self.critic_opt = torch.optim.AdamW(critic.parameters(), lr=critic_lr) if critic is not None else None
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: min(1.0, (s + 1) / (warmup_steps + 1)) if warmup_steps else 1.0
@@ -253,6 +279,36 @@ class LocalLearner:
         """The same without gradient and micro-batched, for the policy or another model (the reference)."""
         return logprobs_nograd(model or self.model, batch, micro_batch_size=self.micro_batch_size,
                                fp32_head=self.fp32_head, topk=topk, **self.sampling)
+
+    def ref_logprobs(self, batch: TokenBatch, samples: list[Sample]) -> Tensor | None:
+        """Reference log-probs [B, T] at the rollout weights: scored with the samples when the generation process
+        did it (a frozen reference), else here; None without a reference."""
+        if self.reference is None:
+            return None
+        scored = None if self.ref_sync_every else sample_ref_logp(samples, batch.completion_mask.shape[1])
+        return self.logprobs_nograd(batch, model=self.reference).logp if scored is None else scored
+
+    def values(self, batch: TokenBatch) -> Tensor | None:
+        """Critic values [B, T] on the loss tokens (0 elsewhere), without gradient; None without a critic."""
+        if self.critic is None:
+            return None
+        with torch.no_grad():
+            return self.critic(batch) * batch.loss_mask
+
+    def begin_step(self, step: int) -> None:
+        """Sync a reference that follows the policy (Humanline: reference = recent policy) when it is due."""
+        if self.reference is not None and self.ref_sync_every and step % self.ref_sync_every == 0:
+            self.reference.load_state_dict(self.model.state_dict())
+
+    def critic_step(self, batch: TokenBatch, old_values: Tensor, returns: Tensor) -> dict[str, float]:
+        """One critic optimizer step on the clipped value loss of ``batch``; {} without a critic."""
+        if self.critic is None or self.critic_opt is None:
+            return {}
+        v_loss = clipped_value_loss(self.critic(batch), old_values, returns, batch.loss_mask, self.value_clip)
+        self.critic_opt.zero_grad(set_to_none=True)
+        v_loss.backward()
+        self.critic_opt.step()
+        return {"critic/value_loss": float(v_loss.detach())}
 
     def backward(self, loss: Tensor) -> None:
         loss.backward()
@@ -283,5 +339,27 @@ class LocalLearner:
     def lr(self) -> float:
         return float(self.scheduler.get_last_lr()[0])
 
-    def state(self) -> dict[str, Any]:
-        return {"model": self.model, "optimizer": self.optimizer, "scheduler": self.scheduler}
+    def weights(self) -> dict[str, Tensor]:
+        return self.model.state_dict()
+
+    def _extra_models(self) -> dict[str, nn.Module]:
+        extra: dict[str, nn.Module] = {"critic": self.critic} if self.critic is not None else {}
+        if self.reference is not None and self.ref_sync_every:
+            extra["reference"] = self.reference  # a synced reference is state; a frozen one is the starting model
+        return extra
+
+    def save(self, run_dir: str | Path, step: int, state: dict[str, Any]) -> Path:
+        """An atomic checkpoint of everything this learner holds, with the trainer's ``state``."""
+        if self.critic_opt is not None:
+            state = {**state, "critic_optimizer": self.critic_opt.state_dict()}
+        return save_checkpoint(run_dir, step, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
+                               state=state, extra_models=self._extra_models())
+
+    def load(self, path: str | Path) -> dict[str, Any]:
+        """Restore a checkpoint in place (weights, optimizers, schedule, RNG); return the trainer's state."""
+        saved = load_checkpoint(path, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
+                                extra_models=self._extra_models())
+        critic_opt_state = saved.pop("critic_optimizer", None)
+        if self.critic_opt is not None and critic_opt_state is not None:
+            self.critic_opt.load_state_dict(critic_opt_state)
+        return saved

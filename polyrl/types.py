@@ -110,3 +110,13 @@ class LossOutput:
     per_token_loss: Tensor  # [B, T] after corrections and KL, before aggregation
     surrogate: Tensor | None = None  # [B, T] the trust region's own per-token loss (diagnostics)
     metrics: dict[str, Tensor] = field(default_factory=dict)  # 0-dim, detached
+
+
+@dataclass
+class TreeInfo:
+    """Where each sample sits in its rollout tree (B samples; ``polyrl.rollout.tree``)."""
+
+    root_ids: Tensor  # [B] long: root group (pool index of the prompt); every sample has one
+    sibling_ids: Tensor  # [B] long: sibling group of its deepest branching anchor, -1 if none
+    branch_at: Tensor  # [B] long: completion index where the sibling part starts (0 if none)
+    is_root: Tensor  # [B] bool: sampled from the prompt (False: a continuation of a prefix)

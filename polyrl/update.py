@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from polyrl.errors import TrainingError
-from polyrl.learner import LocalLearner, TokenBatch, ValueHead, clipped_value_loss
+from polyrl.learner import Learner, TokenBatch
 from polyrl.objectives import Method, policy_loss
 from polyrl.objectives.objective import zero_grad_by_quarter
 from polyrl.types import LossInputs, Normalizer, group_token_counts
@@ -45,10 +45,9 @@ class UpdateCounters(Protocol):
     skipped_total: int
 
 
-def update_policy(learner: LocalLearner, method: Method, s: Scored, counters: UpdateCounters, *, epochs: int,
+def update_policy(learner: Learner, method: Method, s: Scored, counters: UpdateCounters, *, epochs: int,
                   minibatches: int, micro_batch_size: int, horizon: int, topk: int, reuse_old: bool, seed: int,
-                  max_bad_steps: int, critic: ValueHead | None = None,
-                  critic_opt: torch.optim.Optimizer | None = None, value_clip: float = 0.5) -> dict[str, float]:
+                  max_bad_steps: int) -> dict[str, float]:
     """Run the optimizer steps on one scored batch; return averaged objective/*, perf/* and critic/* metrics.
 
     With ``reuse_old`` (one optimizer step per batch) the policy has not moved when the loss is computed,
@@ -106,13 +105,9 @@ def update_policy(learner: LocalLearner, method: Method, s: Scored, counters: Up
             counters.bad_steps = 0
             n_steps += 1
             step_sums["perf/grad_norm"] = step_sums.get("perf/grad_norm", 0.0) + grad_norm
-            if critic is not None and critic_opt is not None:
-                v_loss = clipped_value_loss(critic(tb.rows(mb)), s.values[mb], s.returns[mb], tb.loss_mask[mb],
-                                            value_clip)
-                critic_opt.zero_grad(set_to_none=True)
-                v_loss.backward()
-                critic_opt.step()
-                step_sums["critic/value_loss"] = step_sums.get("critic/value_loss", 0.0) + float(v_loss.detach())
+            if s.returns is not None:  # a critic preset: its value loss takes a step with each policy step
+                for k, v in learner.critic_step(tb.rows(mb), s.values[mb], s.returns[mb]).items():
+                    step_sums[k] = step_sums.get(k, 0.0) + v
     metrics = {k: v / max(1, n_micro) for k, v in micro_sums.items()}
     metrics.update({k: v / max(1, n_steps) for k, v in step_sums.items()})
     for q in range(4):

@@ -14,10 +14,12 @@ from rich.console import Console
 from polyrl.build import add_train_args, resolve_train
 from polyrl.config import ConfigError, TrainConfig, load_toml
 from polyrl.methods import get_method
-from polyrl.rollout.collect import RolloutBatch, TreeInfo
+from polyrl.objectives.group_layout import advantages
+from polyrl.rollout.collect import RolloutBatch
 from polyrl.tasks.arithmetic import AdditionTask
 from polyrl.tinylm import build_tiny_llama
-from polyrl.trainer import _advantages, train
+from polyrl.trainer import train
+from polyrl.types import TreeInfo
 
 QUIET = Console(file=io.StringIO(), width=120)
 
@@ -123,8 +125,8 @@ def test_a_kl_penalty_in_the_reward_reaches_tree_advantages():
     mask = torch.ones(4, 3)
     batch = _tree_batch([1.0, 1.0, 0.0, 1.0])
     penalty = torch.tensor([[0.0] * 3, [0.2] * 3, [0.0] * 3, [0.0] * 3], dtype=torch.float64)
-    plain = _advantages(method, batch, mask, None, None)
-    kl = _advantages(method, batch, mask, None, -penalty)
+    plain, _ = advantages(method, batch.rewards, batch.group_ids, mask, tree=batch.tree)
+    kl, _ = advantages(method, batch.rewards, batch.group_ids, mask, token_rewards=-penalty, tree=batch.tree)
     assert plain[0, 0] == plain[1, 0] == 0  # equal rewards: no signal without the penalty
     # rloo on sequence rewards 1 and 1 - 0.6: each sample against the other
     assert kl[0, 0].item() == pytest.approx(0.6) and kl[1, 0].item() == pytest.approx(-0.6)

@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from polyrl.collapse import CollapseMonitor, CollapseRule, first_collapse
 from polyrl.lab.analysis import Run, analyse, analyse_runs, load_runs, read_rows
-from polyrl.lab.collapse import CollapseMonitor, CollapseRule, first_collapse
 from polyrl.lab.stats import bootstrap_ci, fit_sigmoid, sigmoid_law
 
 # ---------------------------------------------------------------- synthetic compare directories

@@ -236,17 +236,17 @@ def test_evaluation_splits_accuracy_into_retained_and_gained():
     """eval/retained and eval/gained follow each prompt, whatever order the runner returns the completions in."""
     from types import SimpleNamespace
 
-    from polyrl.trainer import evaluate_all
+    from polyrl.evaluation import Evaluator
 
     task = AdditionTask()
     prompts = task.prompts("test", 4, seed=0)
     answers = [prompts[0].answer + "9", prompts[1].answer, prompts[2].answer, "x"]  # wrong, right, right, wrong
     runner = SimpleNamespace(sample=lambda ps, params: [SimpleNamespace(prompt_index=i, text=answers[i])
                                                         for i in (3, 1, 0, 2)])
-    parts = SimpleNamespace(runner=runner, task=task, generator=SimpleNamespace(arbiter=None))
-    out, solved = evaluate_all(parts, prompts, 8, step=5, solved_before=[True, True, False, False])
+    evaluate = Evaluator(runner, task, prompts, 8)
+    out, solved = evaluate(5, solved_before=[True, True, False, False])
     assert solved == [False, True, True, False]
     assert out == {"eval/accuracy": 0.5, "eval/retained": 0.5, "eval/gained": 0.5}
-    out, _ = evaluate_all(parts, prompts, 8, step=5, solved_before=[True, True, True, False])
+    out, _ = evaluate(5, solved_before=[True, True, True, False])
     assert out["eval/retained"] == pytest.approx(2 / 3) and out["eval/gained"] == 0.0
-    assert set(evaluate_all(parts, prompts, 8, step=0)[0]) == {"eval/accuracy"}
+    assert set(evaluate(0)[0]) == {"eval/accuracy"}

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from polyrl.methods import get_method
+from polyrl.objectives.group_layout import tree_advantages
 from polyrl.objectives.objective import policy_loss
 from polyrl.registry import ADVANTAGES
-from polyrl.rollout.collect import TreeInfo
 from polyrl.rollout.episodes import Episode, EpisodeRunner
 from polyrl.rollout.generator import Sample, SamplingParams
 from polyrl.rollout.tree import (
@@ -26,12 +26,11 @@ from polyrl.rollout.tree import (
     p_mixed,
     prefix_estimate,
     systematic_sample,
-    tree_advantages,
 )
 from polyrl.tasks.base import Prompt
 from polyrl.tasks.rewards import RewardChannels
 from polyrl.tinylm import build_char_tokenizer
-from polyrl.types import LossInputs, Normalizer
+from polyrl.types import LossInputs, Normalizer, TreeInfo
 
 
 @pytest.mark.parametrize("posterior", [False, True])
@@ -447,7 +446,7 @@ def test_sampled_roots_weigh_each_prompt_by_its_inverse_inclusion_probability():
         drawn = roots.unique().tolist()
         assert len(drawn) == 4 and all(int((roots == k).sum()) >= 4 for k in drawn)  # groups of G, only drawn ones
         assert set(batch.group_ids.tolist()) == set(drawn)  # the extension starts no undrawn prompt
-        w = batch.tree.weight
+        w = batch.sample_weight
         assert float(w.mean()) == pytest.approx(1.0) and batch.stats["tree/weight_max"] == float(w.max())
         # a prompt's samples together weigh 1 / pi: weight x samples x pi is the same for every drawn prompt
         per_prompt = [float(w[batch.group_ids == k].sum()) * float(pi[k]) for k in drawn]

@@ -5,8 +5,8 @@ write_report(results, "runs/compare")              # plots/*.png, results.json, 
 print_ranking(results)
 """
 
+from polyrl.collapse import CollapseMonitor, CollapseRule, first_collapse
 from polyrl.lab.analysis import Run, analyse, analyse_runs, load_runs
-from polyrl.lab.collapse import CollapseMonitor, CollapseRule, first_collapse
 from polyrl.lab.report import print_ranking, write_report
 from polyrl.lab.stats import bootstrap_ci, fit_sigmoid, sigmoid_law
 

@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from polyrl.lab.collapse import CollapseRule, first_collapse
+from polyrl.collapse import CollapseRule, first_collapse
 from polyrl.lab.stats import auc, bootstrap_ci, curve, fit_sigmoid, summarize
 
 ACC = "eval/accuracy"

@@ -278,3 +278,17 @@ def kl_reward_penalty(method: Method, old_logp: Tensor, ref_logp: Tensor, mask: 
 
 __all__ = ["Method", "build_method", "override", "policy_loss", "kl_reward_penalty", "masked_mean",
            "zero_grad_by_quarter"]
+
+
+def kl_in_reward(method: Method, old_logp: Tensor, ref_logp: Tensor | None,
+                 mask: Tensor) -> tuple[Tensor | None, dict[str, float]]:
+    """Token rewards [B, T] (float64, already negative) of a KL penalty placed in the reward, and its metric.
+
+    None and no metric unless the method puts its KL in the reward and there is a reference. The metric
+    ``reward/kl_penalty`` is the penalty's mean per loss token (verl logs it as ``actor/reward_kl_penalty``),
+    so a run shows whether a penalty shaped its rewards.
+    """
+    if method.kl_placement != "reward" or ref_logp is None:
+        return None, {}
+    token_rewards = -kl_reward_penalty(method, old_logp, ref_logp, mask).double()
+    return token_rewards, {"reward/kl_penalty": float(masked_mean(-token_rewards, mask))}

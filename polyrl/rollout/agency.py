@@ -164,3 +164,35 @@ def _mix(beta: Tensor, log_b: Tensor, log_l: Tensor) -> Tensor:
     """log(beta e^log_b + (1 - beta) e^log_l), stable at beta in {0, 1}."""
     terms = torch.stack([torch.log(beta) + log_b, torch.log1p(-beta) + log_l])
     return torch.logsumexp(terms, dim=0)
+
+
+class AgencySource:
+    """A rollout source whose samples come from the baseline/learner mixture: sets ``beta`` for each step.
+
+    Wraps the source that samples (uniform groups or the tree) with the generator that holds the arbiter,
+    and reports ``agency/beta`` and ``agency/baseline_share`` (the share of trained tokens the baseline chose).
+    """
+
+    def __init__(self, inner, arbiter: AgencyArbiter) -> None:
+        self.inner, self.arbiter = inner, arbiter
+
+    def collect(self, method, stream, step: int):
+        self.arbiter.set_step(step)
+        batch = self.inner.collect(method, stream, step)
+        tokens = sum(float(sum(s.loss_mask)) if s.loss_mask is not None else float(len(s.completion_token_ids))
+                     for s, kept in zip(batch.samples, batch.keep.tolist()) if kept)
+        batch.stats["agency/beta"] = self.arbiter.beta
+        batch.stats["agency/baseline_share"] = sum(s.baseline_tokens for s in batch.samples) / max(1.0, tokens)
+        return batch
+
+    def after_update(self, weights, version: int) -> None:
+        self.inner.after_update(weights, version)
+
+    def state_dict(self) -> dict:
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.inner.load_state_dict(state)
+
+    def close(self) -> None:
+        self.inner.close()

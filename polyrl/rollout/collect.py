@@ -20,6 +20,7 @@ from polyrl.registry import FILTERS, SHAPERS
 from polyrl.rollout.generator import Sample, SamplingParams
 from polyrl.tasks.base import Prompt
 from polyrl.tasks.rewards import RewardChannels
+from polyrl.types import TreeInfo
 
 
 class NoUsableGroups(RuntimeError):
@@ -28,17 +29,6 @@ class NoUsableGroups(RuntimeError):
     def __init__(self, message: str, stats: dict[str, float]):
         super().__init__(message)
         self.stats = stats
-
-
-@dataclass
-class TreeInfo:
-    """Where each sample sits in its tree (B samples)."""
-
-    root_ids: Tensor  # [B] long: root group (pool index of the prompt); every sample has one
-    sibling_ids: Tensor  # [B] long: sibling group of its deepest branching anchor, -1 if none
-    branch_at: Tensor  # [B] long: completion index where the sibling part starts (0 if none)
-    is_root: Tensor  # [B] bool: sampled from the prompt (False: a continuation of a prefix)
-    weight: Tensor | None = None  # [B] float: importance weight of the sample's loss (sampled roots), mean 1
 
 
 @dataclass
@@ -55,7 +45,8 @@ class RolloutBatch:
     lengths: Tensor  # [B] completion lengths in tokens
     channels: Tensor | None = None  # [B, C] separate reward channels (RewardChannels), else None
     stats: dict[str, float] = field(default_factory=dict)  # rollout/* and reward/* metrics
-    tree: TreeInfo | None = None  # tree rollouts: root/sibling groups and branch points (rollout/tree.py)
+    tree: TreeInfo | None = None  # tree rollouts: root/sibling groups and branch points (rollout/tree)
+    sample_weight: Tensor | None = None  # [B] importance weight of each sample's loss, mean 1 (None: all 1)
 
 
 def _group_has_variance(scores: Tensor, group_size: int) -> Tensor:

@@ -1,0 +1,49 @@
+"""Held-out evaluation: one greedy completion (or tool episode) per test prompt, graded by the task's verifier.
+
+``eval/accuracy`` is the acting system's: with agency transfer, the baseline/learner mixture at the
+evaluated step's ``beta``; ``eval/learner_accuracy`` is then the learner alone. Given which prompts the
+starting model solved, ``eval/retained`` is the share of them still solved (forgetting shows here) and
+``eval/gained`` the share of the others now solved. Custom reward channels never enter: a reward
+function can shape training, not move the held-out score.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from polyrl.rollout.agency import AgencyArbiter
+from polyrl.rollout.episodes import EpisodeRunner
+from polyrl.rollout.generator import SamplingParams
+from polyrl.tasks.base import Prompt, Task
+
+
+def greedy_rewards(runner: EpisodeRunner, task: Task, prompts: list[Prompt], max_new_tokens: int) -> list[float]:
+    """The task reward of one greedy completion (or tool episode) per prompt."""
+    samples = runner.sample(prompts, SamplingParams(n=1, temperature=0.0, max_new_tokens=max_new_tokens))
+    return [task.reward(prompts[s.prompt_index], s.text)[0] for s in sorted(samples, key=lambda s: s.prompt_index)]
+
+
+class Evaluator:
+    """Held-out evaluation of the acting system at a step (see the module docstring)."""
+
+    def __init__(self, runner: EpisodeRunner, task: Task, prompts: list[Prompt], max_new_tokens: int,
+                 arbiter: AgencyArbiter | None = None) -> None:
+        self.runner, self.task, self.prompts, self.max_new_tokens = runner, task, prompts, max_new_tokens
+        self.arbiter = arbiter
+
+    def __call__(self, step: int, solved_before: list[bool] | None = None) -> tuple[dict[str, float], list[bool]]:
+        """Metrics at ``step`` and which prompts were solved."""
+        if self.arbiter is not None:
+            self.arbiter.set_step(step)
+        rewards = greedy_rewards(self.runner, self.task, self.prompts, self.max_new_tokens)
+        out, solved = {"eval/accuracy": float(np.mean(rewards))}, [r > 0.5 for r in rewards]
+        if solved_before is not None and len(solved_before) == len(rewards):
+            for key, start in (("eval/retained", True), ("eval/gained", False)):
+                if start in solved_before:
+                    out[key] = float(np.mean([now for now, was in zip(solved, solved_before) if was == start]))
+        if self.arbiter is not None:  # the standalone learner too
+            beta, self.arbiter.beta = self.arbiter.beta, 0.0
+            out["eval/learner_accuracy"] = float(np.mean(greedy_rewards(self.runner, self.task, self.prompts,
+                                                                        self.max_new_tokens)))
+            out["eval/agency_beta"], self.arbiter.beta = beta, beta
+        return out, solved
