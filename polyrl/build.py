@@ -215,8 +215,9 @@ def build_components(cfg: TrainConfig, method, task, model_dir: str) -> Componen
     """Load the policy and build the learner, the rollout source and the evaluator that ``cfg`` asks for."""
     import copy
 
+    from polyrl.batch import boundary_token_ids
     from polyrl.evaluation import Evaluator
-    from polyrl.learner import LocalLearner, ValueHead, boundary_token_ids
+    from polyrl.learner import LocalLearner, ValueHead
     from polyrl.model import load_policy
     from polyrl.rollout.agency import AgencyArbiter, AgencySource, parse_schedule
     from polyrl.rollout.episodes import EpisodeRunner

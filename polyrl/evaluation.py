@@ -47,3 +47,11 @@ class Evaluator:
                                                                         self.max_new_tokens)))
             out["eval/agency_beta"], self.arbiter.beta = beta, beta
         return out, solved
+
+    @staticmethod
+    def summary(metrics: dict[str, float]) -> dict[str, float]:
+        """The final evaluation's entries of ``summary.json``: ``eval_after``, and with agency transfer the
+        standalone learner's accuracy and the acting system's beta."""
+        names = {"eval/accuracy": "eval_after", "eval/learner_accuracy": "learner_eval_after",
+                 "eval/agency_beta": "agency_beta_after"}
+        return {names[k]: v for k, v in metrics.items() if k in names}

@@ -22,11 +22,11 @@ import numpy as np
 import torch
 from rich.console import Console
 
+from polyrl.batch import TokenBatch, segment_ids
 from polyrl.checkpoint import latest_checkpoint, remove_partial_saves
 from polyrl.config import TrainConfig, to_dict
 from polyrl.errors import RewardError
 from polyrl.guard import make_monitor, roll_back
-from polyrl.learner import TokenBatch, segment_ids
 from polyrl.logging import RunLogger, StepProgress, peak_rss_mb, plot_curves, write_summary
 from polyrl.objectives import Method
 from polyrl.objectives.group_layout import advantages
@@ -146,20 +146,17 @@ def train(cfg: TrainConfig, method: Method, *, model_dir: str, task: Task, run_d
     finally:
         parts.source.close()
     last = parts.evaluate(state.step, state.solved_before)[0]
-    eval_after = last["eval/accuracy"]
     logger.log(state.step, last)
     _save(parts, run, state)
     wall = time.perf_counter() - started
     logger.close()
     summary = {
         "method": method.name, "task": task.name, "model": model_dir, "steps": state.step,
-        "eval_before": state.eval_before, "eval_after": eval_after, "wall_seconds": wall,
+        "eval_before": state.eval_before, **parts.evaluate.summary(last), "wall_seconds": wall,
         "seconds_per_step": step_seconds / max(1, steps_done),
         "rollouts_per_second": rollouts / max(step_seconds, 1e-9),
         "skipped_steps": state.skipped_total, "peak_rss_mb": peak_rss_mb(),
     }
-    if "eval/learner_accuracy" in last:  # agency transfer: the standalone learner, and the acting system's beta
-        summary.update(learner_eval_after=last["eval/learner_accuracy"], agency_beta_after=last["eval/agency_beta"])
     write_summary(run, summary)
     plot_curves(logger.history, run / "curves.png")
     return summary

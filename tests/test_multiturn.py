@@ -14,7 +14,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from polyrl.learner import TokenBatch
+from polyrl.batch import TokenBatch
 from polyrl.methods import PRESETS, get_method
 from polyrl.model import completion_logprobs, load_policy
 from polyrl.objectives.objective import policy_loss

@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from polyrl.learner import TokenBatch, logprobs_nograd
+from polyrl.batch import TokenBatch, logprobs_nograd
 from polyrl.model import load_policy
 from polyrl.rollout import HFGenerator, SamplingParams
 from polyrl.rollout.episodes import EpisodeRunner

@@ -44,7 +44,7 @@ import torch
 import torch.multiprocessing as mp
 from torch import Tensor
 
-from polyrl.learner import TokenBatch, logprobs_nograd
+from polyrl.batch import TokenBatch, logprobs_nograd
 from polyrl.model import load_policy
 from polyrl.rollout.episodes import EpisodeRunner
 from polyrl.rollout.generator import Sample, SamplingParams

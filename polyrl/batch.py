@@ -1,0 +1,118 @@
+"""Rollout samples as padded token tensors, and the scoring helpers every layer above the model shares.
+
+``TokenBatch`` holds a batch in the layout ``completion_logprobs`` expects: the left-padded prompt
+followed by a right-padded completion block of T columns. The learner, the update phase and the
+asynchronous generation process (which scores a frozen reference) all read it; keeping it here
+rather than in ``learner`` lets rollout code use it without importing a learner.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor, nn
+
+from polyrl.model import TokenLogprobs, completion_logprobs
+
+if TYPE_CHECKING:
+    from polyrl.rollout.generator import Sample
+
+
+@dataclass
+class TokenBatch:
+    """Rollout samples as padded tensors."""
+
+    input_ids: Tensor  # [B, P + T] left-padded prompt, then right-padded completion
+    attention_mask: Tensor  # [B, P + T]
+    completion_mask: Tensor  # [B, T] 1 for sampled completion tokens (EOS included)
+    rollout_logp: Tensor  # [B, T] log-probs reported by the sampler (0 at padding and environment tokens)
+    loss_mask: Tensor  # [B, T] 1 for tokens the policy chose; environment and copied-prefix tokens are 0
+    turn_ids: Tensor  # [B, T] long: agent-turn index of each completion token (0 for single-turn tasks)
+
+    def rows(self, index: Tensor | slice) -> TokenBatch:
+        return TokenBatch(self.input_ids[index], self.attention_mask[index], self.completion_mask[index],
+                          self.rollout_logp[index], self.loss_mask[index], self.turn_ids[index])
+
+    @staticmethod
+    def from_samples(samples: list[Sample], pad_id: int) -> TokenBatch:
+        B = len(samples)
+        P = max(len(s.prompt_token_ids) for s in samples)
+        T = max(1, max(len(s.completion_token_ids) for s in samples))
+        ids = torch.full((B, P + T), pad_id, dtype=torch.long)
+        attn = torch.zeros((B, P + T), dtype=torch.long)
+        comp = torch.zeros((B, T), dtype=torch.float32)
+        logp = torch.zeros((B, T), dtype=torch.float32)
+        loss_mask = torch.zeros((B, T), dtype=torch.float32)
+        turns = torch.zeros((B, T), dtype=torch.long)
+        for i, s in enumerate(samples):
+            p, c = len(s.prompt_token_ids), len(s.completion_token_ids)
+            ids[i, P - p:P] = torch.tensor(s.prompt_token_ids)
+            attn[i, P - p:P + c] = 1
+            if c:
+                ids[i, P:P + c] = torch.tensor(s.completion_token_ids)
+                comp[i, :c] = 1.0
+                logp[i, :c] = torch.tensor(s.logprobs)
+                loss_mask[i, :c] = 1.0 if s.loss_mask is None else torch.tensor(s.loss_mask, dtype=torch.float32)
+                if s.turn_ids is not None:
+                    turns[i, :c] = torch.tensor(s.turn_ids)
+        return TokenBatch(ids, attn, comp, logp, loss_mask, turns)
+
+
+SEGMENT_END = ".,;:!?\n"
+
+
+def boundary_token_ids(tokenizer) -> frozenset[int]:
+    """Ids of tokens that end a sub-sentence: their text ends in . , ; : ! ? or holds a newline.
+
+    Byte-level BPE vocabularies spell a newline as 'Ċ'; both spellings count.
+    """
+    out = set()
+    for tok, idx in tokenizer.get_vocab().items():
+        text = tok.replace("Ċ", "\n").rstrip(" Ġ")
+        if "\n" in text or (text and text[-1] in SEGMENT_END):
+            out.add(idx)
+    return frozenset(out)
+
+
+def segment_ids(completion_ids: Tensor, completion_mask: Tensor, boundaries: frozenset[int]) -> Tensor:
+    """[B, T] sub-sentence index of each completion token: a new segment starts after each boundary token (SSPO)."""
+    is_end = torch.zeros_like(completion_mask, dtype=torch.long)
+    if boundaries:
+        ends = torch.tensor(sorted(boundaries), dtype=completion_ids.dtype)
+        is_end = torch.isin(completion_ids, ends).long() * completion_mask.long()
+    return torch.cumsum(is_end, dim=-1) - is_end  # the boundary token belongs to the segment it closes
+
+
+def logprobs_nograd(model: nn.Module, batch: TokenBatch, *, micro_batch_size: int, fp32_head: bool = False,
+                    topk: int = 0, temperature: float = 1.0, top_p: float | None = None,
+                    top_k: int | None = None) -> TokenLogprobs:
+    """Completion log-probs (entropy, top-K) of ``batch`` under ``model``, without gradient, micro-batched."""
+    was_training = model.training
+    model.eval()
+    parts = []
+    with torch.no_grad():
+        for i in range(0, batch.input_ids.shape[0], micro_batch_size):
+            rows = batch.rows(slice(i, i + micro_batch_size))
+            parts.append(completion_logprobs(model, rows.input_ids, rows.attention_mask, rows.completion_mask,
+                                             fp32_head=fp32_head, topk=topk, temperature=temperature, top_p=top_p,
+                                             top_k=top_k))
+    model.train(was_training)
+
+    def cat(name: str) -> Tensor | None:
+        return None if getattr(parts[0], name) is None else torch.cat([getattr(p, name) for p in parts])
+
+    return TokenLogprobs(logp=cat("logp"), entropy=cat("entropy"), topk_ids=cat("topk_ids"),
+                         topk_logp=cat("topk_logp"))
+
+
+def sample_ref_logp(samples: list[Sample], T: int) -> Tensor | None:
+    """[B, T] reference log-probs carried by the samples (the asynchronous pipeline's), or None if one lacks them."""
+    if not samples or any(s.ref_logprobs is None or len(s.ref_logprobs) != len(s.completion_token_ids)
+                          for s in samples):
+        return None
+    out = torch.zeros((len(samples), T), dtype=torch.float32)
+    for i, s in enumerate(samples):
+        out[i, : len(s.ref_logprobs)] = torch.tensor(s.ref_logprobs, dtype=torch.float32)
+    return out
