@@ -22,7 +22,7 @@ demo: $(STAMP)
 	$(BIN)/polyrl train --overwrite
 
 test: $(STAMP)
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n 2
 
 lint: $(STAMP)
 	$(BIN)/ruff check polyrl tests

@@ -126,6 +126,9 @@ def collect(
         "rollout/useful_groups_per_token": (useful / G) / max(1, tokens_generated),
         "rollout/mixed_group_frac": variance_groups / len(kept_groups),
     }
+    if kept_groups[0][6] is not None:  # several reward channels: each one's mean (GDPO normalises them separately)
+        for c, mean in enumerate(torch.cat([grp[6] for grp in kept_groups]).mean(0).tolist()):
+            stats[f"reward/channel{c}_mean"] = mean
     return RolloutBatch(
         group_ids=torch.tensor([grp[0] for grp in kept_groups for _ in range(G)]),
         prompts=[grp[1] for grp in kept_groups for _ in range(G)],
