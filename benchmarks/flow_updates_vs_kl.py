@@ -24,9 +24,9 @@ from pathlib import Path
 
 import torch
 
-from polyrl.flow.methods import get_flow_method
-from polyrl.flow.plots import reward_vs_kl
-from polyrl.flow.train import FlowTrainConfig, train_flow
+from polyrl.families.flow.methods import get_flow_method
+from polyrl.families.flow.plots import reward_vs_kl
+from polyrl.families.flow.train import FlowTrainConfig, train_flow
 
 COLORS = {"flow_grpo": "tab:blue", "flow_dppo": "tab:red", "grpo_guard": "tab:green", "loop": "tab:purple",
           "fpo": "tab:orange", "dance_grpo": "tab:brown"}

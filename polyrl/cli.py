@@ -303,22 +303,22 @@ def cmd_compare(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser(*, flow: bool = True) -> OneLineParser:
-    """The `polyrl` parser; with ``flow=False`` the `flow` command is a placeholder that only parses its name.
-
-    The real `flow` parser lists the flow presets, tasks and defaults, which imports torch: ``main`` builds it only
-    when the command is `flow`, so that every other command (and `--help`) starts fast.
+def build_parser(*, family: str | None = None) -> OneLineParser:
+    """The `polyrl` parser. Every RL family (``polyrl.families``) is a placeholder that only parses its name,
+    except ``family``, whose full parser is built: a family's parser may import torch, so ``main`` builds it
+    only when its command runs and every other command (and `--help`) starts fast.
     """
-    from polyrl.flow.cli import FLOW_HELP, add_flow_parser
+    from polyrl.families import add_parser, discover
 
     parser = OneLineParser(prog="polyrl", description=__doc__.splitlines()[0])
     parser.add_argument("--plugin", action="append", default=[], metavar="MODULE",
                         help="import MODULE first, so that its registered parts and presets are available")
     sub = parser.add_subparsers(dest="command", required=True)
-    if flow:
-        add_flow_parser(sub)
-    else:
-        sub.add_parser("flow", help=FLOW_HELP, add_help=False)
+    for fam in discover().values():
+        if fam.name == family:
+            add_parser(fam, sub)
+        else:
+            sub.add_parser(fam.name, help=fam.help, add_help=False)
 
     p = sub.add_parser("train", help="RL-train a local Hugging Face causal LM with a preset (and overrides)")
     add_train_args(p)
@@ -378,10 +378,12 @@ def build_parser(*, flow: bool = True) -> OneLineParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    parser = build_parser(flow=False)
+    parser = build_parser()
     args, extra = parser.parse_known_args(argv)
-    if args.command == "flow":  # its real parser imports torch, so it is built only now
-        parser = build_parser()
+    from polyrl.families import FAMILIES
+
+    if args.command in FAMILIES:  # its real parser may import torch, so it is built only now
+        parser = build_parser(family=args.command)
         args, extra = parser.parse_known_args(argv)
     if extra:
         if args.command != "compare":

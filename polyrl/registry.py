@@ -252,6 +252,29 @@ class Registry:
         return Part(self.kind, name, resolved)
 
 
+PartLike = str | tuple[str, Mapping[str, Any]] | Part  # "clip:eps_high=0.28", ("clip", {...}) or a Part
+
+
+def resolve_part(registry: Registry, spec: PartLike, base: Part | None = None) -> Part:
+    """Turn a name, a ``name:k=v`` string, a (name, params) pair or a Part into a validated Part of ``registry``.
+
+    When ``base`` has the same name, its parameters are kept and the new ones override them
+    (``--trust-region clip:eps_high=0.3`` on DAPO keeps eps_low=0.2). Every family's method resolution
+    (language-model presets, flow presets) goes through here.
+    """
+    if isinstance(spec, Part):
+        if spec.kind != registry.kind:
+            raise PartError(f"a {spec.kind} part ({spec.name!r}) was given where a {registry.kind} is expected")
+        name, params = spec.name, dict(spec.params)
+    elif isinstance(spec, str):
+        name, params = parse_part(spec)
+    else:
+        name, params = spec[0], dict(spec[1])
+    if base is not None and base.name == name:
+        params = {**base.params, **params}
+    return registry.resolve(name, params)
+
+
 def parse_part(text: str) -> tuple[str, dict[str, str]]:
     """Parse ``name`` or ``name:key=value,key=value`` (the CLI override syntax) into name and raw params."""
     name, _, rest = text.strip().partition(":")

@@ -49,6 +49,19 @@ def write_record(run_dir: str | Path, record: dict[str, Any]) -> None:
     path.write_text(json.dumps(record, indent=2, default=str))
 
 
+def start_run_dir(run_dir: str | Path, *, overwrite: bool) -> Path:
+    """A directory for a new run: one that already holds a run is refused unless ``overwrite`` (then cleared)."""
+    import shutil
+
+    run = Path(run_dir)
+    if (run / "metrics.jsonl").exists() or (run / "summary.json").exists() or (run / CONFIG).exists():
+        if not overwrite:
+            raise ConfigError(f"run_dir = '{run}' already holds a run; pass --overwrite or another --run-dir")
+        shutil.rmtree(run)
+    run.mkdir(parents=True, exist_ok=True)
+    return run
+
+
 def resume_values(saved: dict[str, Any], given: dict[str, Any], *, what: str = "") -> tuple[dict, dict]:
     """Merge settings ``given`` with ``--resume`` into the run's ``saved`` ones.
 

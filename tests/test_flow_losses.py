@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from polyrl.flow.losses import (
+from polyrl.families.flow.losses import (
     FLOW_LOSSES,
     FlowLossInputs,
     flow_dppo_loss,
@@ -20,7 +20,7 @@ from polyrl.flow.losses import (
     ratio_norm,
     step_kl,
 )
-from polyrl.flow.sampler import gaussian_logp, gaussian_step_kl
+from polyrl.families.flow.sampler import gaussian_logp, gaussian_step_kl
 from polyrl.registry import PartError
 
 D64 = torch.float64

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from polyrl.cli import main
-from polyrl.flow.methods import FLOW_METHODS, build_flow_method, get_flow_method
-from polyrl.flow.policy import PretrainSettings, pretrain
-from polyrl.flow.train import FlowTrainConfig, validate_config
+from polyrl.families.flow.methods import FLOW_METHODS, build_flow_method, get_flow_method
+from polyrl.families.flow.policy import PretrainSettings, pretrain
+from polyrl.families.flow.train import FlowTrainConfig, validate_config
 from polyrl.registry import PartError
 
 torch.set_num_threads(1)

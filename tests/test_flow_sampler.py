@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from polyrl.flow.sampler import (
+from polyrl.families.flow.sampler import (
     flow_sde_step,
     gaussian_logp,
     gaussian_step_kl,

@@ -9,11 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from polyrl.flow.methods import FLOW_METHODS, get_flow_method
-from polyrl.flow.policy import one_hot
-from polyrl.flow.sampler import sample_sde
-from polyrl.flow.tasks import get_task, mode_reward
-from polyrl.flow.train import FlowTrainConfig, initial_policy, train_flow
+from polyrl.families.flow.methods import FLOW_METHODS, get_flow_method
+from polyrl.families.flow.policy import one_hot
+from polyrl.families.flow.sampler import sample_sde
+from polyrl.families.flow.tasks import get_task, mode_reward
+from polyrl.families.flow.train import FlowTrainConfig, initial_policy, train_flow
 
 torch.set_num_threads(1)
 
@@ -55,7 +55,7 @@ def test_reach_points_rebuild_the_final_position():
     pos2 = pos1 + task.step_size * trajs[1].samples.clamp(-1, 1)
     want = -((pos1 - ctx[:, 2:]).norm(dim=-1) + (pos2 - ctx[:, 2:]).norm(dim=-1)) / 2
     assert torch.allclose(rewards, want, atol=1e-6)
-    from polyrl.flow.train import _cat
+    from polyrl.families.flow.train import _cat
 
     assert torch.allclose(task.points(_cat(trajs), ctx, 2), pos2 - ctx[:, 2:], atol=1e-6)
 

@@ -8,7 +8,7 @@ aggregation and contains no branch on a part's name.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
@@ -26,12 +26,12 @@ from polyrl.registry import (
     TRUST_REGIONS,
     Part,
     PartError,
+    PartLike,
     Registry,
-    parse_part,
+    resolve_part,
 )
 from polyrl.types import LossInputs, LossOutput
 
-PartLike = str | tuple[str, Mapping[str, Any]] | Part
 Anchor = Literal["old", "rollout"]
 KLPlacement = Literal["loss", "reward"]
 
@@ -91,25 +91,6 @@ class Method:
         }
 
 
-def _resolve(registry: Registry, spec: PartLike, base: Part | None = None) -> Part:
-    """Turn a name, a ``name:k=v`` string, a (name, params) pair or a Part into a validated Part.
-
-    When ``base`` has the same name, its parameters are kept and the new ones override them
-    (``--trust-region clip:eps_high=0.3`` on DAPO keeps eps_low=0.2).
-    """
-    if isinstance(spec, Part):
-        if spec.kind != registry.kind:
-            raise PartError(f"a {spec.kind} part ({spec.name!r}) was given where a {registry.kind} is expected")
-        name, params = spec.name, dict(spec.params)
-    elif isinstance(spec, str):
-        name, params = parse_part(spec)
-    else:
-        name, params = spec[0], dict(spec[1])
-    if base is not None and base.name == name:
-        params = {**base.params, **params}
-    return registry.resolve(name, params)
-
-
 def build_method(
     name: str,
     *,
@@ -141,16 +122,16 @@ def build_method(
         raise PartError(f"method {name!r}: kl_coef = {kl_coef} needs a KL estimator (kl=k1|k2|k3|...)")
     return Method(
         name=name,
-        advantage=_resolve(ADVANTAGES, advantage),
-        ratio=_resolve(RATIOS, ratio),
-        trust_region=_resolve(TRUST_REGIONS, trust_region),
-        aggregation=_resolve(AGGREGATIONS, aggregation),
-        corrections=tuple(_resolve(CORRECTIONS, c) for c in corrections),
-        kl=None if kl is None else _resolve(KL, kl),
+        advantage=resolve_part(ADVANTAGES, advantage),
+        ratio=resolve_part(RATIOS, ratio),
+        trust_region=resolve_part(TRUST_REGIONS, trust_region),
+        aggregation=resolve_part(AGGREGATIONS, aggregation),
+        corrections=tuple(resolve_part(CORRECTIONS, c) for c in corrections),
+        kl=None if kl is None else resolve_part(KL, kl),
         kl_coef=float(kl_coef),
         kl_placement=kl_placement,
-        shapers=tuple(_resolve(SHAPERS, s) for s in shapers),
-        filters=tuple(_resolve(FILTERS, f) for f in filters),
+        shapers=tuple(resolve_part(SHAPERS, s) for s in shapers),
+        filters=tuple(resolve_part(FILTERS, f) for f in filters),
         anchor=anchor,
         ref_sync_every=ref_sync_every,
         paper=paper,
@@ -170,11 +151,11 @@ def override(method: Method, **changes: Any) -> Method:
     out: dict[str, Any] = {}
     for key, value in changes.items():
         if key in single:
-            out[key] = _resolve(single[key], value, getattr(method, key))
+            out[key] = resolve_part(single[key], value, getattr(method, key))
         elif key in many:
-            out[key] = tuple(_resolve(many[key], v) for v in value)
+            out[key] = tuple(resolve_part(many[key], v) for v in value)
         elif key == "kl":
-            out[key] = None if value in (None, "none") else _resolve(KL, value, method.kl)
+            out[key] = None if value in (None, "none") else resolve_part(KL, value, method.kl)
         elif key in ("kl_coef", "kl_placement", "anchor", "ref_sync_every", "name"):
             out[key] = value
         else:

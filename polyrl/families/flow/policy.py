@@ -1,6 +1,6 @@
 """A small rectified-flow policy: an MLP velocity field, its pretraining targets and a cached warm start.
 
-The velocity follows the sampler's convention (``polyrl.flow.sampler``): ``x_t = (1-t) x_0 + t eps``,
+The velocity follows the sampler's convention (``polyrl.families.flow.sampler``): ``x_t = (1-t) x_0 + t eps``,
 target velocity ``eps - x_0``. An optional context vector (the analogue of a prompt: a one-hot class,
 or a control task's observation) is concatenated to the input. Pretraining is conditional flow
 matching, ``E ||v(x_t, t, c) - (eps - x_0)||^2`` with t ~ U(0, 1), and is cached on disk like
@@ -111,7 +111,7 @@ def cfm_loss(model: VelocityMLP, x0: Tensor, context: Tensor | None, generator: 
 
 
 def flow_cache_dir() -> Path:
-    """$POLYRL_CACHE/flow, else ~/.cache/polyrl/flow (the same root as the language-model warm starts)."""
+    """$POLYRL_CACHE/flow, else ~/.cache/polyrl/families/flow (the same root as the language-model warm starts)."""
     return Path(os.environ.get("POLYRL_CACHE", Path.home() / ".cache" / "polyrl")) / "flow"
 
 

@@ -5,7 +5,7 @@ the velocity is ``v = dx/dt = eps - x_0`` and sampling runs t = 1 -> 0 with ``dt
 Two quantities recovered from v are used below: ``x0_hat = x - t v`` and ``eps_hat = x + (1 - t) v``.
 
 Each stochastic step is a Gaussian policy ``pi(x'|x) = N(m_theta(x, t), s^2 I)``. Its log-probability
-is returned in one of two units (the ``reduce`` argument, used everywhere in ``polyrl.flow``):
+is returned in one of two units (the ``reduce`` argument, used everywhere in ``polyrl.families.flow``):
 
 - ``"sum"``: nats of the D-dimensional density, ``-||x'-m||^2/(2 s^2) - D log s - (D/2) log(2 pi)``;
 - ``"mean"``: the same divided by D (nats per dimension; Flow-GRPO/UniRL reference code).

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from polyrl.flow.policy import PretrainSettings, one_hot, ring_means
-from polyrl.flow.sampler import Trajectory
+from polyrl.families.flow.policy import PretrainSettings, one_hot, ring_means
+from polyrl.families.flow.sampler import Trajectory
 
 Act = Callable[[Tensor | None, int], Trajectory]  # (observations [E, C] or None, E) -> Trajectory of E actions
 

@@ -26,31 +26,43 @@ import torch
 from torch import Tensor
 
 from polyrl.errors import TrainingError
-from polyrl.flow.losses import FLOW_LOSSES, FlowLossInputs, fpo_cfm_losses, step_kl
-from polyrl.flow.methods import FlowMethod
-from polyrl.flow.policy import VelocityMLP, pretrain
-from polyrl.flow.sampler import Trajectory, replay, sample_sde
-from polyrl.flow.tasks import get_task
+from polyrl.families.flow.losses import FLOW_LOSSES, FlowLossInputs, fpo_cfm_losses, step_kl
+from polyrl.families.flow.methods import FlowMethod
+from polyrl.families.flow.policy import VelocityMLP, pretrain
+from polyrl.families.flow.sampler import Trajectory, replay, sample_sde
+from polyrl.families.flow.tasks import get_task
 from polyrl.logging import RunLogger, plot_curves, write_summary
 from polyrl.registry import ADVANTAGES
 
 
 @dataclass(frozen=True)
 class FlowTrainConfig:
-    """Settings of one flow RL run (one line each; the CLI flags mirror them)."""
+    """Settings of one flow RL run: one flag each (``polyrl flow train --help``), or keys of a ``--config`` TOML."""
 
-    task: str = "ring_modes"  # ring_modes | ring_modes_cond | reach
-    steps: int = 100  # rollout batches (each followed by updates_per_batch passes)
-    groups: int = 16  # contexts (prompts) per batch
-    group_size: int = 16  # samples per context (G)
-    updates_per_batch: int = 2  # passes over each rollout batch (Flow-DPPO recipe: 2)
-    minibatches: int = 1  # optimizer steps per pass
-    lr: float = 5e-4  # Adam learning rate
-    max_grad_norm: float = 1.0  # gradient clipping (0 = off)
-    sampler_steps: int = 10  # SDE steps per sample
-    eval_samples: int = 1024  # episodes for the before/after mean reward
+    task: str = "ring_modes"
+    """task: ring_modes, ring_modes_cond or reach"""
+    steps: int = 100
+    """rollout batches to train on (each followed by updates_per_batch passes)"""
+    groups: int = 16
+    """contexts (prompts) per rollout batch"""
+    group_size: int = 16
+    """samples per context (G)"""
+    updates_per_batch: int = 2
+    """passes over each rollout batch, pi_old frozen first (Flow-DPPO recipe: 2)"""
+    minibatches: int = 1
+    """optimizer steps per pass"""
+    lr: float = 5e-4
+    """Adam learning rate"""
+    max_grad_norm: float = 1.0
+    """gradient clipping by global norm (0 = off)"""
+    sampler_steps: int = 10
+    """SDE steps per sample"""
+    eval_samples: int = 1024
+    """episodes for the mean reward before and after"""
     seed: int = 0
+    """seed of rollouts, evaluation and from-scratch initialisation"""
     tensorboard: bool = True
+    """write TensorBoard event files to run_dir/tb"""
 
 
 def validate_config(cfg: FlowTrainConfig) -> None:
@@ -163,7 +175,7 @@ def train_flow(cfg: FlowTrainConfig, method: FlowMethod, *, run_dir: str | Path,
         logger.close()
     after = evaluate(policy, ref, task, method, cfg)
     wall = time.perf_counter() - started
-    from polyrl.flow.plots import scatter_before_after
+    from polyrl.families.flow.plots import scatter_before_after
 
     scatter_before_after(before, after, task, run_dir / "samples.png", title=f"{method.name} on {task.name}")
     plot_curves(logger.history, run_dir / "curves.png", keys=("reward/mean", "objective/kl"))

@@ -14,9 +14,9 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import polyrl.objectives  # noqa: F401  (registers the advantage estimators)
-from polyrl.flow.losses import FLOW_LOSSES
-from polyrl.flow.sampler import REDUCES, SCHEDULES
-from polyrl.registry import ADVANTAGES, Part, PartError, Registry, parse_part, unknown
+from polyrl.families.flow.losses import FLOW_LOSSES
+from polyrl.families.flow.sampler import REDUCES, SCHEDULES
+from polyrl.registry import ADVANTAGES, Part, PartError, PartLike, resolve_part, unknown
 
 # Sequence-level estimators that return one advantage per sample [B] (token-level ones do not apply).
 FLOW_ADVANTAGES = ("grpo", "group_centered", "group_centered_batch_std", "rloo", "maxrl", "reinforce")
@@ -46,29 +46,15 @@ class FlowMethod:
         return "cfm" in FLOW_LOSSES.spec(self.loss.name).tags
 
 
-PartLike = str | tuple[str, dict[str, Any]] | Part
-
-
-def _resolve(registry: Registry, value: PartLike, current: Part | None = None) -> Part:
-    if isinstance(value, Part):
-        return registry.resolve(value.name, value.params)
-    if isinstance(value, tuple):
-        return registry.resolve(value[0], value[1])
-    name, params = parse_part(value)
-    if current is not None and current.name == name:
-        params = {**current.params, **params}
-    return registry.resolve(name, params)
-
-
 def build_flow_method(name: str, *, advantage: PartLike, loss: PartLike, schedule: str = "flow_grpo",
                       eta: float = 0.7, reduce: str = "mean", cfm_samples: int = 0, paper: str = "",
                       summary: str = "") -> FlowMethod:
     """Validate every field and return the FlowMethod (raises PartError with a one-line message)."""
     where = f"flow method {name!r}"
-    adv = _resolve(ADVANTAGES, advantage)
+    adv = resolve_part(ADVANTAGES, advantage)
     if adv.name not in FLOW_ADVANTAGES:
         raise PartError(f"{where}: advantage = {adv.name!r} is not per-sample; allowed: {', '.join(FLOW_ADVANTAGES)}")
-    part = _resolve(FLOW_LOSSES, loss)
+    part = resolve_part(FLOW_LOSSES, loss)
     if schedule not in SCHEDULES:
         raise PartError(f"{where}: schedule = {schedule!r}; allowed: {', '.join(map(repr, SCHEDULES))}")
     if reduce not in REDUCES:
@@ -146,8 +132,8 @@ def get_flow_method(name: str, **overrides: Any) -> FlowMethod:
         if key not in allowed:
             raise PartError(f"flow method {name!r}: cannot override {key!r}; allowed: {', '.join(allowed)}")
     fields = {k: v for k, v in overrides.items() if v is not None}
-    adv = _resolve(ADVANTAGES, fields.pop("advantage"), m.advantage) if "advantage" in fields else m.advantage
-    loss = _resolve(FLOW_LOSSES, fields.pop("loss"), m.loss) if "loss" in fields else m.loss
+    adv = resolve_part(ADVANTAGES, fields.pop("advantage"), m.advantage) if "advantage" in fields else m.advantage
+    loss = resolve_part(FLOW_LOSSES, fields.pop("loss"), m.loss) if "loss" in fields else m.loss
     base = dict(schedule=m.schedule, eta=m.eta, reduce=m.reduce, cfm_samples=m.cfm_samples)
     base.update(fields)
     return build_flow_method(m.name, advantage=adv, loss=loss, paper=m.paper, summary=m.summary, **base)

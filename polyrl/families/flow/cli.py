@@ -7,26 +7,26 @@
 from __future__ import annotations
 
 import argparse
-import json
-import shutil
 import sys
 from dataclasses import asdict, fields
-from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
 
 from polyrl.config import ConfigError
+from polyrl.families.flow import HELP as FLOW_HELP
 
 console = Console() if sys.stdout.isatty() else Console(width=200)
-FLOW_HELP = "RL for flow-matching / diffusion policies (Flow-GRPO, Flow-DPPO, FPO)"  # also polyrl.cli's placeholder
 
 
 def _train_config(args: argparse.Namespace):
-    from polyrl.flow.train import FlowTrainConfig, validate_config
+    """The run's settings: a TOML file beneath the flags, typed and range-checked (ConfigError in one line)."""
+    from polyrl.config import build_config, load_toml
+    from polyrl.families.flow.train import FlowTrainConfig, validate_config
 
-    values = {f.name: getattr(args, f.name) for f in fields(FlowTrainConfig) if getattr(args, f.name, None) is not None}
-    cfg = FlowTrainConfig(**values)
+    values = load_toml(args.config, FlowTrainConfig) if args.config else {}
+    values.update({f.name: getattr(args, f.name) for f in fields(FlowTrainConfig) if getattr(args, f.name) is not None})
+    cfg = build_config(values, FlowTrainConfig)
     try:
         validate_config(cfg)
     except ValueError as e:
@@ -35,22 +35,17 @@ def _train_config(args: argparse.Namespace):
 
 
 def cmd_flow_train(args: argparse.Namespace) -> int:
-    from polyrl.flow.methods import get_flow_method
-    from polyrl.flow.train import train_flow
+    from polyrl.families.flow.methods import get_flow_method
+    from polyrl.families.flow.train import train_flow
+    from polyrl.runs import start_run_dir, write_record
 
     cfg = _train_config(args)
     method = get_flow_method(args.method, advantage=args.advantage, loss=args.loss, schedule=args.schedule,
                              eta=args.eta, reduce=args.reduce, cfm_samples=args.cfm_samples)
-    run_dir = Path(args.run_dir or f"runs/flow/{method.name}-{cfg.task}-s{cfg.seed}")
-    if (run_dir / "metrics.jsonl").exists() or (run_dir / "summary.json").exists():
-        if not args.overwrite:
-            raise ConfigError(f"run_dir = '{run_dir}' already holds a run; pass --overwrite or another --run-dir")
-        shutil.rmtree(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    run_dir = start_run_dir(args.run_dir or f"runs/flow/{method.name}-{cfg.task}-s{cfg.seed}", overwrite=args.overwrite)
     parts = {"advantage": str(method.advantage), "loss": str(method.loss), "schedule": method.schedule,
              "eta": method.eta, "reduce": method.reduce, "cfm_samples": method.cfm_samples}
-    (run_dir / "config.json").write_text(json.dumps({"config": asdict(cfg), "method": method.name, "parts": parts},
-                                                    indent=2))
+    write_record(run_dir, {"config": asdict(cfg), "method": method.name, "parts": parts})
     console.print(f"flow method: {method.name} = " + "; ".join(f"{k} {v}" for k, v in parts.items()))
     s = train_flow(cfg, method, run_dir=run_dir, console=console)
     if s.get("pretrained"):
@@ -67,7 +62,7 @@ def cmd_flow_train(args: argparse.Namespace) -> int:
 
 
 def cmd_flow_pretrain(args: argparse.Namespace) -> int:
-    from polyrl.flow.policy import PretrainSettings, pretrain
+    from polyrl.families.flow.policy import PretrainSettings, pretrain
 
     for name in ("steps", "hidden", "layers"):
         if getattr(args, name) < 1:
@@ -80,7 +75,7 @@ def cmd_flow_pretrain(args: argparse.Namespace) -> int:
 
 
 def cmd_flow_methods(args: argparse.Namespace) -> int:
-    from polyrl.flow.methods import FLOW_METHODS
+    from polyrl.families.flow.methods import FLOW_METHODS
 
     table = Table(title=f"flow presets ({len(FLOW_METHODS)})")
     for col in ("name", "advantage", "loss", "sampler", "paper", "summary"):
@@ -99,39 +94,22 @@ def _pretrain_target(value: str) -> str:
     return value
 
 
-def add_flow_parser(subparsers) -> argparse.ArgumentParser:
-    """Add ``flow`` with its ``train``, ``pretrain`` and ``methods`` subcommands to ``subparsers``."""
-    from polyrl.flow.methods import FLOW_METHODS
-    from polyrl.flow.tasks import TASKS
-    from polyrl.flow.train import FlowTrainConfig
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    """Add ``flow`` with its ``train``, ``pretrain`` and ``methods`` subcommands to ``subparsers`` (the family seam)."""
+    from polyrl.config import add_config_args
+    from polyrl.families.flow.methods import FLOW_METHODS
+    from polyrl.families.flow.train import FlowTrainConfig
 
-    d = FlowTrainConfig()
     flow = subparsers.add_parser("flow", help=FLOW_HELP)
     sub = flow.add_subparsers(dest="flow_command", required=True)
 
     p = sub.add_parser("train", help="fine-tune a flow policy on a toy task; writes metrics, plots and summary.json")
     p.add_argument("--method", default="flow_dppo", help=f"flow preset: {', '.join(sorted(FLOW_METHODS))} "
                    "(default: flow_dppo)")
-    p.add_argument("--task", help=f"task: {', '.join(TASKS)} (default: {d.task})")
-    p.add_argument("--steps", type=int, help=f"rollout batches to train on (default: {d.steps})")
+    p.add_argument("--config", metavar="FILE.toml", help="TOML file of the settings below; flags override it")
     p.add_argument("--run-dir", help="output directory (default: runs/flow/METHOD-TASK-sSEED)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing run in --run-dir")
-    p.add_argument("--seed", type=int, help=f"seed of rollouts, evaluation and from-scratch init (default: {d.seed})")
-    p.add_argument("--updates-per-batch", dest="updates_per_batch", type=int,
-                   help=f"passes over each rollout batch, pi_old frozen first (default: {d.updates_per_batch})")
-    p.add_argument("--minibatches", type=int, help=f"optimizer steps per pass (default: {d.minibatches})")
-    p.add_argument("--lr", type=float, help=f"Adam learning rate (default: {d.lr})")
-    p.add_argument("--max-grad-norm", dest="max_grad_norm", type=float,
-                   help=f"gradient clipping, 0 = off (default: {d.max_grad_norm})")
-    p.add_argument("--group-size", dest="group_size", type=int,
-                   help=f"samples per context, G (default: {d.group_size})")
-    p.add_argument("--groups", type=int, help=f"contexts (prompts) per rollout batch (default: {d.groups})")
-    p.add_argument("--sampler-steps", dest="sampler_steps", type=int,
-                   help=f"SDE steps per sample (default: {d.sampler_steps})")
-    p.add_argument("--eval-samples", dest="eval_samples", type=int,
-                   help=f"episodes for the mean reward before and after (default: {d.eval_samples})")
-    p.add_argument("--no-tensorboard", dest="tensorboard", action="store_false", default=None,
-                   help="skip TensorBoard event files")
+    add_config_args(p, FlowTrainConfig)
     g = p.add_argument_group("part overrides")
     g.add_argument("--loss", help="flow loss NAME or NAME:key=value,... e.g. flow_dppo:kl_threshold=1e-4")
     g.add_argument("--advantage", help="advantage estimator, e.g. grpo, rloo, group_centered_batch_std")

@@ -1,7 +1,7 @@
 """Flow-policy losses: Flow-GRPO clip, Flow-DPPO, GRPO-Guard, LOOP and FPO (spec section 2, F1-F4).
 
 Shapes: B actions (samples), S sampler steps, D latent dims. Step log-probs ``logp`` [B, S] and means
-[B, S, D] come from ``polyrl.flow.sampler.replay``; ``adv`` [B] is one advantage per action
+[B, S, D] come from ``polyrl.families.flow.sampler.replay``; ``adv`` [B] is one advantage per action
 (constant). Every function returns ``(per_element_loss, metrics)`` to be MINIMISED; the losses are
 gradient surrogates (``-A rho`` and its clipped/masked variants, whose gradient at rho = 1 is
 ``-A grad logp``). Metrics are detached 0-dim tensors over the ``mask == 1`` elements only.
@@ -22,7 +22,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from polyrl.flow.sampler import gaussian_step_kl
+from polyrl.families.flow.sampler import gaussian_step_kl
 from polyrl.objectives.advantages import rloo
 from polyrl.registry import Registry
 

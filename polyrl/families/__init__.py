@@ -1,0 +1,49 @@
+"""RL families beside the language-model path: each is a folder here that registers itself.
+
+A family (flow-matching policies today; Q-learning, full-duplex turn-taking, multi-agent formation next)
+brings its policy, sampler, losses, tasks and loop, and reuses the shared seam: part resolution
+(``polyrl.registry.resolve_part``, the advantage registry), settings as flags and TOML
+(``polyrl.config.add_config_args`` / ``load_toml`` / ``build_config`` on its own config dataclass), the run
+directory's record (``polyrl.runs``), logging (``polyrl.logging.RunLogger``) and the CLI. Its package
+``__init__`` calls ``register_family`` and imports nothing heavy, so that ``polyrl --help`` stays fast; the
+module named there is imported only when its command runs.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Family:
+    """One RL family: ``polyrl NAME ...`` is parsed by ``MODULE.add_parser(subparsers)``."""
+
+    name: str  # the CLI command
+    help: str  # one line for `polyrl --help`
+    module: str  # dotted module with ``add_parser(subparsers) -> ArgumentParser``
+
+
+FAMILIES: dict[str, Family] = {}
+
+
+def register_family(name: str, help: str, module: str) -> Family:
+    """Make ``polyrl NAME`` a family command (called from the family package's ``__init__``)."""
+    if name in FAMILIES:
+        raise ValueError(f"family {name!r} is registered twice")
+    FAMILIES[name] = Family(name, help, module)
+    return FAMILIES[name]
+
+
+def discover() -> dict[str, Family]:
+    """Import every family package under ``polyrl.families`` (each registers itself); return the registry."""
+    for info in pkgutil.iter_modules(__path__):
+        if info.ispkg:
+            importlib.import_module(f"{__name__}.{info.name}")
+    return FAMILIES
+
+
+def add_parser(family: Family, subparsers):
+    """The family's full parser (imports its module: it may import torch)."""
+    return importlib.import_module(family.module).add_parser(subparsers)

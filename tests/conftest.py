@@ -1,0 +1,25 @@
+"""Shared test set-up: a test that registers a part or a preset (as a plugin would) leaves no trace for the next.
+
+The registries and the preset table are process-wide; tests that check the generated docs or the shipped
+manifest against them must not see a part another test registered in the same worker process.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import polyrl.methods  # noqa: F401  (registers every built-in part and preset)
+from polyrl.methods import PRESETS
+from polyrl.registry import ALL_REGISTRIES
+
+
+@pytest.fixture(autouse=True)
+def _restore_registries():
+    specs = [(registry, dict(registry._specs)) for registry in ALL_REGISTRIES]
+    presets = dict(PRESETS)
+    yield
+    for registry, saved in specs:
+        registry._specs.clear()
+        registry._specs.update(saved)
+    PRESETS.clear()
+    PRESETS.update(presets)

@@ -1,0 +1,52 @@
+"""The family seam: an RL family is a folder that registers itself; the CLI builds its parser only when it runs."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+from polyrl.cli import main
+from polyrl.families import FAMILIES, discover, register_family
+
+
+def test_the_flow_family_registers_itself_without_importing_torch():
+    code = ("import sys; from polyrl.families import discover; fams = discover(); "
+            "assert 'flow' in fams and fams['flow'].module == 'polyrl.families.flow.cli', fams; "
+            "assert 'torch' not in sys.modules")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+
+
+def test_a_registered_family_gets_its_cli_command(tmp_path, monkeypatch, capsys):
+    (tmp_path / "toyfam_cli.py").write_text(textwrap.dedent('''
+        def add_parser(subparsers):
+            p = subparsers.add_parser("toyfam", help="a toy family")
+            p.add_argument("--n", type=int, default=1)
+            p.set_defaults(fn=lambda args: print(f"toy n={args.n}") or 0)
+            return p
+    '''))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    discover()
+    register_family("toyfam", "a toy family", "toyfam_cli")
+    try:
+        assert main(["toyfam", "--n", "3"]) == 0
+        assert "toy n=3" in capsys.readouterr().out
+    finally:
+        FAMILIES.pop("toyfam")
+
+
+def test_flow_settings_come_from_a_toml_file_beneath_the_flags(tmp_path):
+    from polyrl.families.flow.cli import _train_config
+    from polyrl.families.flow.train import FlowTrainConfig
+
+    (tmp_path / "f.toml").write_text("steps = 7\nlr = 0.001\n")
+    import argparse
+
+    from polyrl.config import add_config_args
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--config")
+    add_config_args(parser, FlowTrainConfig)
+    cfg = _train_config(parser.parse_args(["--config", str(tmp_path / "f.toml"), "--lr", "0.002"]))
+    assert cfg.steps == 7 and cfg.lr == 0.002 and cfg.task == FlowTrainConfig().task
