@@ -14,6 +14,7 @@ import numpy as np
 from polyrl.rollout.agency import AgencyArbiter
 from polyrl.rollout.episodes import EpisodeRunner
 from polyrl.rollout.generator import SamplingParams
+from polyrl.rollout.score import succeeded
 from polyrl.tasks.base import Prompt, Task
 
 
@@ -36,7 +37,7 @@ class Evaluator:
         if self.arbiter is not None:
             self.arbiter.set_step(step)
         rewards = greedy_rewards(self.runner, self.task, self.prompts, self.max_new_tokens)
-        out, solved = {"eval/accuracy": float(np.mean(rewards))}, [r > 0.5 for r in rewards]
+        out, solved = {"eval/accuracy": float(np.mean(rewards))}, [succeeded(r) for r in rewards]
         if solved_before is not None and len(solved_before) == len(rewards):
             for key, start in (("eval/retained", True), ("eval/gained", False)):
                 if start in solved_before:

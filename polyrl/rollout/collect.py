@@ -16,8 +16,9 @@ import torch
 from torch import Tensor
 
 from polyrl.objectives import Method
-from polyrl.registry import FILTERS, SHAPERS
+from polyrl.registry import FILTERS
 from polyrl.rollout.generator import Sample, SamplingParams
+from polyrl.rollout.score import mixed_groups, shape
 from polyrl.tasks.base import Prompt
 from polyrl.tasks.rewards import RewardChannels
 from polyrl.types import TreeInfo
@@ -47,11 +48,6 @@ class RolloutBatch:
     stats: dict[str, float] = field(default_factory=dict)  # rollout/* and reward/* metrics
     tree: TreeInfo | None = None  # tree rollouts: root/sibling groups and branch points (rollout/tree)
     sample_weight: Tensor | None = None  # [B] importance weight of each sample's loss, mean 1 (None: all 1)
-
-
-def _group_has_variance(scores: Tensor, group_size: int) -> Tensor:
-    g = scores.view(-1, group_size)
-    return (g.max(dim=1).values - g.min(dim=1).values) > 1e-6  # [groups]
 
 
 SampleFn = Callable[[list[Prompt], SamplingParams], list[Sample]]  # EpisodeRunner.sample: n samples per prompt
@@ -92,9 +88,7 @@ def collect(
         lengths = torch.tensor([len(s.completion_token_ids) for s in samples])
         truncated = torch.tensor([s.finish_reason == "length" for s in samples])
         gids = torch.tensor([drawn[s.prompt_index][0] for s in samples])
-        shaped = scores.clone()
-        for shaper in method.shapers:
-            shaped = SHAPERS.fn(shaper.name)(shaped, lengths, truncated, params.max_new_tokens, **shaper.params)
+        shaped = shape(method, scores, lengths, truncated, params.max_new_tokens)
         keep = torch.ones(len(samples), dtype=torch.bool)
         for filt in method.filters:
             # Filters judge the task scores, not the shaped rewards: DAPO's dynamic sampling drops groups whose
@@ -102,7 +96,7 @@ def collect(
             keep &= FILTERS.fn(filt.name)(scores, gids, truncated, history, **filt.params)
         generated += len(samples)
         tokens_generated += int(lengths.sum())
-        useful += int(_group_has_variance(scores, G).sum()) * G
+        useful += int(mixed_groups(scores, G).sum()) * G
         for g, (pool_idx, prompt) in enumerate(drawn):
             rows = slice(g * G, (g + 1) * G)
             history[pool_idx] = max(history.get(pool_idx, 0.0), float(scores[rows].clamp(0, 1).mean()))
@@ -117,7 +111,7 @@ def collect(
         )
     samples = [s for grp in kept_groups for s in grp[2]]
     scores = torch.cat([grp[3] for grp in kept_groups])
-    variance_groups = int(_group_has_variance(scores, G).sum())
+    variance_groups = int(mixed_groups(scores, G).sum())
     stats = {
         "rollout/gen_rounds": float(rounds),
         "rollout/generated": float(generated),

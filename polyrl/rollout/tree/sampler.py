@@ -38,10 +38,10 @@ import torch
 from torch import Tensor
 
 from polyrl.objectives import Method
-from polyrl.registry import SHAPERS
 from polyrl.rollout.collect import NoUsableGroups, RolloutBatch
 from polyrl.rollout.episodes import Episode, EpisodeRunner, prefix_episode
 from polyrl.rollout.generator import SamplingParams
+from polyrl.rollout.score import mixed, shape, succeeded
 from polyrl.rollout.tree.allocation import (
     EXACT_STRENGTH,
     allocate_by_gain,
@@ -63,10 +63,6 @@ def branch_points(episode: Episode, multi_turn: bool) -> list[int]:
     if multi_turn:  # a new agent turn starts where an environment span ends
         return [t for t in range(1, n) if episode.loss_mask[t - 1] == 0 and episode.loss_mask[t] == 1]
     return [n // 2] if n >= 2 else []
-
-
-def _mixed(scores: list[float]) -> bool:
-    return len(scores) >= 2 and max(scores) - min(scores) > 1e-6
 
 
 class TreeSampler:
@@ -135,9 +131,10 @@ class TreeSampler:
                         and tuple(e.token_ids[: len(prefix)]) == prefix]
         keys = list(anchors)
         group = [[root_scores[j] for j in range(len(roots)) if root_of[j] == k] for k in range(len(drawn))]
-        root_mixed = [_mixed(g) for g in group]
-        succ = torch.tensor([sum(x > 0.5 for x in g) for g in group]  # success = score above 1/2
-                            + [sum(root_scores[j] > 0.5 for j in anchors[key]) for key in keys], dtype=torch.float64)
+        root_mixed = [mixed(g) for g in group]
+        succ = [sum(map(succeeded, g)) for g in group] + [sum(succeeded(root_scores[j]) for j in anchors[key])
+                                                          for key in keys]
+        succ = torch.tensor(succ, dtype=torch.float64)
         size = torch.tensor([len(g) for g in group] + [len(anchors[key]) for key in keys], dtype=torch.float64)
         idle = torch.tensor([0 if root_mixed[k] else len(g) for k, g in enumerate(group)]
                             + [sum(not root_mixed[root_of[j]] for j in anchors[key]) for key in keys],
@@ -218,18 +215,16 @@ class TreeSampler:
         pool_ids = torch.tensor([drawn[k][0] for k in index], dtype=torch.long)
         lengths = torch.tensor([len(e.token_ids) for e in episodes])
         truncated = torch.tensor([s.finish_reason == "length" for s in samples])
-        rewards = scores.clone()
-        for shaper in method.shapers:
-            rewards = SHAPERS.fn(shaper.name)(rewards, lengths, truncated, params.max_new_tokens, **shaper.params)
+        rewards = shape(method, scores, lengths, truncated, params.max_new_tokens)
         # utilization: a completion is useful when its root group or its sibling group has mixed outcomes
         useful = 0
         for i in range(len(episodes)):
-            in_root = i < len(roots) and _mixed([root_scores[j] for j in range(len(roots)) if root_of[j] == index[i]])
-            in_sib = bool(sibling[i] >= 0) and _mixed(scores[sibling == sibling[i]].tolist())
+            in_root = i < len(roots) and mixed([root_scores[j] for j in range(len(roots)) if root_of[j] == index[i]])
+            in_sib = bool(sibling[i] >= 0) and mixed(scores[sibling == sibling[i]].tolist())
             useful += int(in_root or in_sib)
         root_groups = set(root_of)
-        mixed_roots = sum(_mixed([root_scores[j] for j in range(len(roots)) if root_of[j] == k]) for k in root_groups)
-        mixed_sibs = sum(_mixed(scores[sibling == a].tolist()) for a in range(len(chosen)))
+        mixed_roots = sum(mixed([root_scores[j] for j in range(len(roots)) if root_of[j] == k]) for k in root_groups)
+        mixed_sibs = sum(mixed(scores[sibling == a].tolist()) for a in range(len(chosen)))
         tokens = int(lengths.sum())
         weight = None
         if inclusion is not None:  # sampled roots: each prompt weighs 1 / (its inclusion probability), spread over
