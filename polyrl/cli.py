@@ -267,8 +267,7 @@ class OneLineParser(argparse.ArgumentParser):
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    from polyrl.lab import CollapseRule, analyse, print_ranking, write_report
-    from polyrl.lab.compare import parse_method_args, plan_runs, run_all, split_label, validate_runs
+    from polyrl.lab.compare import check_train_flags, parse_method_args, split_label, validate_runs
 
     presets = dict(split_label(m) for m in args.methods.split(",") if m.strip())  # label -> preset
     methods = list(presets)
@@ -276,21 +275,41 @@ def cmd_compare(args: argparse.Namespace) -> int:
         raise ConfigError("methods = '' : give at least one preset, e.g. --methods grpo,dapo")
     if args.seeds < 1 or args.workers < 1:
         raise ConfigError(f"seeds = {args.seeds}, workers = {args.workers}: both must be >= 1")
-    shared = ["--task", args.task, *args.extra]
     per_method = parse_method_args(args.method_args, methods)
-    model = args.model
-    if model is None:
-        from polyrl.tinylm import warmstart
+    if args.family is not None:  # an RL family: its own train command and settings, no model to start from
+        from polyrl.families import discover, family_module
 
-        model = warmstart(args.task, cache_dir() / "warmstart", seed=0).path
-    flags = OneLineParser(prog="polyrl train", add_help=False)
-    flags.raising = True
-    add_train_args(flags)
-    validate_runs(methods, shared, per_method, model, presets, parse=flags.parse_args)
+        if args.family not in discover():
+            raise ConfigError(f"family = {args.family!r} is not allowed; families: {', '.join(discover())}")
+        if args.model is not None:
+            raise ConfigError(f"model = {args.model!r} does not apply with family = {args.family!r} (it trains its "
+                              "own policy)")
+        module = family_module(args.family)
+        shared, model = [*(["--task", args.task] if args.task else []), *args.extra], None
+        command, resumable, check = (args.family, "train"), False, module.check_train_flags
+    else:
+        shared, model = ["--task", args.task or "addition", *args.extra], args.model
+        if model is None:
+            from polyrl.tinylm import warmstart
+
+            model = warmstart(args.task or "addition", cache_dir() / "warmstart", seed=0).path
+        flags = OneLineParser(prog="polyrl train", add_help=False)
+        flags.raising = True
+        add_train_args(flags)
+        command, resumable, check = ("train",), True, check_train_flags(flags.parse_args, model)
+    validate_runs(methods, shared, per_method, presets, check=check)
+    return _run_compare(args, methods, presets, shared, per_method, model, command, resumable)
+
+
+def _run_compare(args, methods, presets, shared, per_method, model, command, resumable) -> int:
+    from polyrl.lab import CollapseRule, analyse, print_ranking, write_report
+    from polyrl.lab.compare import plan_runs, run_all
+
     out = Path(args.out)
     specs = plan_runs(methods, list(range(args.seeds)), out, shared, per_method, model, workers=args.workers,
-                      presets=presets)
-    console.print(f"{len(specs)} run(s) to do of {len(methods) * args.seeds} (others finished); model {model}")
+                      presets=presets, command=command, resumable=resumable)
+    console.print(f"{len(specs)} run(s) to do of {len(methods) * args.seeds} (others finished)"
+                  + (f"; model {model}" if model else ""))
     failed = [s for s, code, _ in run_all(specs, workers=args.workers, console=console) if code != 0]
     results = analyse(out, threshold=args.threshold, collapse_rule=CollapseRule(drop_fraction=args.collapse_drop),
                       ci=args.ci)
@@ -330,8 +349,9 @@ def build_parser(*, family: str | None = None) -> OneLineParser:
     p.add_argument("--methods", required=True, help="comma-separated presets, e.g. grpo,dapo,cispo,dppo_tv; "
                    "LABEL=PRESET names a variant (uniform=grpo,tree=grpo with --method-args 'tree=--sampler tree')")
     p.add_argument("--seeds", type=int, default=3, help="seeds per method (0 .. N-1)")
-    p.add_argument("--task", default="addition", help="task for every run")
+    p.add_argument("--task", help="task for every run (default: addition; a family's own default)")
     p.add_argument("--model", help="start every run from this model directory (default: the task's warm start)")
+    p.add_argument("--family", help="compare presets of an RL family (e.g. flow) instead of language-model presets")
     p.add_argument("--out", required=True, help="output directory: one run directory per method and seed")
     p.add_argument("--workers", type=int, default=1, help="runs in parallel (each gets cores / workers threads)")
     p.add_argument("--method-args", action="append", metavar="METHOD=FLAGS",

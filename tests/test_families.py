@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import textwrap
@@ -50,3 +51,19 @@ def test_flow_settings_come_from_a_toml_file_beneath_the_flags(tmp_path):
     add_config_args(parser, FlowTrainConfig)
     cfg = _train_config(parser.parse_args(["--config", str(tmp_path / "f.toml"), "--lr", "0.002"]))
     assert cfg.steps == 7 and cfg.lr == 0.002 and cfg.task == FlowTrainConfig().task
+
+
+def test_the_lab_compares_flow_presets_over_seeds(tmp_path, capsys):
+    out = tmp_path / "cmp"
+    flags = ["--task", "reach", "--steps", "3", "--groups", "4", "--group-size", "4", "--sampler-steps", "4",
+             "--eval-samples", "32", "--no-tensorboard"]
+    bad = main(["compare", "--family", "flow", "--methods", "flow_grpo,fpo", "--seeds", "1", "--out", str(out),
+                "--method-args", "fpo=--lr -1", *flags])
+    err = capsys.readouterr().err.strip()
+    assert bad == 2 and len(err.splitlines()) == 1 and "the flags for method 'fpo'" in err and "lr" in err, err
+    assert not out.exists()  # refused before the first run
+    assert main(["compare", "--family", "flow", "--methods", "flow_grpo,fpo", "--seeds", "1", "--out", str(out),
+                 *flags]) == 0
+    results = json.loads((out / "results.json").read_text())
+    assert set(results["methods"]) == {"flow_grpo", "fpo"} and (out / "report.html").is_file()
+    assert json.loads((out / "fpo" / "seed0" / "summary.json").read_text())["method"] == "fpo"

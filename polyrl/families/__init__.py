@@ -22,7 +22,7 @@ class Family:
 
     name: str  # the CLI command
     help: str  # one line for `polyrl --help`
-    module: str  # dotted module with ``add_parser(subparsers) -> ArgumentParser``
+    module: str  # dotted module with ``add_parser(subparsers)`` and ``check_train_flags(flags)`` (the lab)
 
 
 FAMILIES: dict[str, Family] = {}
@@ -46,4 +46,9 @@ def discover() -> dict[str, Family]:
 
 def add_parser(family: Family, subparsers):
     """The family's full parser (imports its module: it may import torch)."""
-    return importlib.import_module(family.module).add_parser(subparsers)
+    return family_module(family.name).add_parser(subparsers)
+
+
+def family_module(name: str):
+    """The family's CLI module (``add_parser``; ``check_train_flags`` for `polyrl compare --family`)."""
+    return importlib.import_module(FAMILIES[name].module)

@@ -21,9 +21,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from polyrl.config import ConfigError
+from polyrl.logging import StepProgress
 
 
 @dataclass
@@ -56,19 +56,22 @@ def parse_method_args(items: list[str] | None, methods: list[str]) -> dict[str, 
 
 
 def plan_runs(methods: list[str], seeds: list[int], out: Path, shared: list[str],
-              per_method: dict[str, list[str]], model: str, workers: int = 1,
-              presets: dict[str, str] | None = None) -> list[RunSpec]:
+              per_method: dict[str, list[str]], model: str | None, workers: int = 1,
+              presets: dict[str, str] | None = None, command: tuple[str, ...] = ("train",),
+              resumable: bool = True) -> list[RunSpec]:
     """One RunSpec per (method, seed); a finished run is left out, an interrupted one gets --resume.
 
     ``presets`` maps a variant label to its preset (``--methods uniform=grpo,tree=grpo``); by default a
-    method's label is its preset.
+    method's label is its preset. ``command`` is the train command (``polyrl train``, or an RL family's, e.g.
+    ``flow train``); a family without checkpoints (``resumable=False``) restarts an interrupted run and takes no
+    ``--model`` or ``--threads``.
     """
     presets = presets or {}
     import os
 
     from polyrl.checkpoint import latest_checkpoint
 
-    if "--threads" not in shared:  # split the cores between concurrent runs instead of oversubscribing them
+    if resumable and "--threads" not in shared:  # split the cores between concurrent runs, not oversubscribe them
         shared = [*shared, "--threads", str(max(1, (os.cpu_count() or 1) // max(1, workers)))]
     specs = []
     for method in methods:
@@ -76,31 +79,39 @@ def plan_runs(methods: list[str], seeds: list[int], out: Path, shared: list[str]
             run_dir = out / method / f"seed{seed}"
             if (run_dir / "summary.json").exists():
                 continue
-            resume = ["--resume"] if latest_checkpoint(run_dir) is not None else ["--overwrite"]
-            args = ["train", "--method", presets.get(method, method), "--seed", str(seed), "--run-dir", str(run_dir),
-                    "--model", model,
+            resume = ["--resume"] if resumable and latest_checkpoint(run_dir) is not None else ["--overwrite"]
+            args = [*command, "--method", presets.get(method, method), "--seed", str(seed), "--run-dir", str(run_dir),
+                    *(["--model", model] if model is not None else []),
                     *shared, *per_method.get(method, []), *resume]
             specs.append(RunSpec(method, seed, run_dir, args))
     return specs
 
 
-def validate_runs(methods: list[str], shared: list[str], per_method: dict[str, list[str]], model: str,
-                  presets: dict[str, str] | None, *, parse: Callable[[list[str]], argparse.Namespace]) -> None:
+def validate_runs(methods: list[str], shared: list[str], per_method: dict[str, list[str]],
+                  presets: dict[str, str] | None, *, check: Callable[[list[str]], None]) -> None:
     """Resolve every method's full train configuration now (raises ConfigError / PartError in one line).
 
-    ``parse`` turns `polyrl train` flags into their namespace, raising ConfigError on a bad flag.
+    ``check(flags)`` resolves one run's train flags (without --seed and --run-dir), raising ConfigError on a bad one.
     """
-    from polyrl.build import resolve_train
-
     presets = presets or {}
     for method in methods:
-        argv = ["--method", presets.get(method, method), "--model", model, *shared, *per_method.get(method, [])]
+        argv = ["--method", presets.get(method, method), *shared, *per_method.get(method, [])]
         try:
-            args = parse(argv)
+            check(argv)
         except ConfigError as e:
             raise ConfigError(f"the flags for method {method!r}: {e}") from None
-        args.run_dir = str(Path("/nonexistent-polyrl-validation") / method)  # resolving must not touch real dirs
+
+
+def check_train_flags(parse: Callable[[list[str]], argparse.Namespace], model: str) -> Callable[[list[str]], None]:
+    """``check`` for `polyrl train` runs from ``model``: parse the flags and resolve them with the builder."""
+    from polyrl.build import resolve_train
+
+    def check(argv: list[str]) -> None:
+        args = parse([*argv, "--model", model])
+        args.run_dir = str(Path("/nonexistent-polyrl-validation") / args.method)  # resolving must not touch dirs
         resolve_train(args)
+
+    return check
 
 
 def run_all(specs: list[RunSpec], *, workers: int, console: Console) -> list[tuple[RunSpec, int, float]]:
@@ -114,13 +125,11 @@ def run_all(specs: list[RunSpec], *, workers: int, console: Console) -> list[tup
         return spec, code, time.perf_counter() - t0
 
     results = []
-    with Progress(TextColumn("[bold]compare"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  TextColumn("{task.fields[info]}"), console=console) as bar:
-        task = bar.add_task("runs", total=len(specs), info="")
+    with StepProgress(console, "compare runs", len(specs), every_s=0.0) as bar:  # a line per finished run
         with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
             for spec, code, secs in pool.map(one, specs):
                 results.append((spec, code, secs))
                 status = "ok" if code == 0 else f"FAILED (exit {code}, see {spec.run_dir.name}.train.log)"
-                bar.update(task, advance=1, info=f"{spec.name} {status} {secs:.0f}s")
+                bar.update(len(results), info=f"{spec.name} {status} {secs:.0f}s")
     return results
 

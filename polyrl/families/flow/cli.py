@@ -94,16 +94,12 @@ def _pretrain_target(value: str) -> str:
     return value
 
 
-def add_parser(subparsers) -> argparse.ArgumentParser:
-    """Add ``flow`` with its ``train``, ``pretrain`` and ``methods`` subcommands to ``subparsers`` (the family seam)."""
+def add_train_args(p: argparse.ArgumentParser) -> None:
+    """Every `polyrl flow train` option: the preset, a TOML file, one flag per ``FlowTrainConfig`` field, parts."""
     from polyrl.config import add_config_args
     from polyrl.families.flow.methods import FLOW_METHODS
     from polyrl.families.flow.train import FlowTrainConfig
 
-    flow = subparsers.add_parser("flow", help=FLOW_HELP)
-    sub = flow.add_subparsers(dest="flow_command", required=True)
-
-    p = sub.add_parser("train", help="fine-tune a flow policy on a toy task; writes metrics, plots and summary.json")
     p.add_argument("--method", default="flow_dppo", help=f"flow preset: {', '.join(sorted(FLOW_METHODS))} "
                    "(default: flow_dppo)")
     p.add_argument("--config", metavar="FILE.toml", help="TOML file of the settings below; flags override it")
@@ -117,6 +113,35 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--eta", type=float, help="noise level of the schedule")
     g.add_argument("--reduce", help="step log-prob unit: mean (per dimension) or sum")
     g.add_argument("--cfm-samples", dest="cfm_samples", type=int, help="(t, eps) pairs per action for FPO")
+
+
+def check_train_flags(argv: list[str]) -> None:
+    """Resolve `polyrl flow train` flags (settings and method) without running: ConfigError/PartError in one line.
+
+    `polyrl compare --family flow` checks every method's flags with this before the first run starts.
+    """
+    p = argparse.ArgumentParser(prog="polyrl flow train", add_help=False, exit_on_error=False)
+    add_train_args(p)
+    try:
+        args, extra = p.parse_known_args(argv)
+    except argparse.ArgumentError as e:
+        raise ConfigError(str(e)) from None
+    if extra:
+        raise ConfigError(f"unrecognized arguments: {' '.join(extra)}")
+    from polyrl.families.flow.methods import get_flow_method
+
+    _train_config(args)
+    get_flow_method(args.method, advantage=args.advantage, loss=args.loss, schedule=args.schedule, eta=args.eta,
+                    reduce=args.reduce, cfm_samples=args.cfm_samples)
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    """Add ``flow`` with its ``train``, ``pretrain`` and ``methods`` subcommands to ``subparsers`` (the family seam)."""
+    flow = subparsers.add_parser("flow", help=FLOW_HELP)
+    sub = flow.add_subparsers(dest="flow_command", required=True)
+
+    p = sub.add_parser("train", help="fine-tune a flow policy on a toy task; writes metrics, plots and summary.json")
+    add_train_args(p)
     p.set_defaults(fn=cmd_flow_train)
 
     p = sub.add_parser("pretrain", help="fit (or load from the cache) the rectified-flow policy of a target")
