@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from polyrl.config import ConfigError, TrainConfig, add_config_args
+from polyrl.config import ConfigError, TrainConfig, add_config_args, flat, settings
 
 
 def add_method_args(p: argparse.ArgumentParser) -> None:
@@ -88,7 +88,8 @@ def resolve_train(args: argparse.Namespace) -> TrainPlan:
     from polyrl.tasks.rewards import RewardChannels, parse_reward_specs
 
     values = load_toml(args.config) if args.config else {}
-    values.update({k: v for k, v in vars(args).items() if k in TrainConfig.__dataclass_fields__ and v is not None})
+    names = {s.name for s in settings(TrainConfig)}
+    values.update({k: v for k, v in vars(args).items() if k in names and v is not None})
     if values.get("resume_from") is not None:
         values["resume"] = True
     overrides = {k: getattr(args, k) for k in METHOD_OVERRIDES if getattr(args, k, None) is not None}
@@ -102,7 +103,7 @@ def resolve_train(args: argparse.Namespace) -> TrainPlan:
     cfg.run_dir = run_dir
     validate(cfg)
     method = method_from_overrides(cfg.method, overrides)
-    if cfg.agency is not None and not method.corrections and "correction" not in overrides:
+    if cfg.agency.baseline is not None and not method.corrections and "correction" not in overrides:
         # The behaviour policy is the baseline/learner mixture: importance weights pi_theta / mu keep the update
         # on-policy for the learner (truncated at C = 2, verl's default); an explicit --correction overrides.
         from polyrl.objectives import override
@@ -156,16 +157,17 @@ def check_combinations(cfg: TrainConfig, method, task) -> None:
         raise ConfigError(f"sampler = 'tree' is not allowed with advantage {adv!r} and reward_funcs: tree groups "
                           "are compared on the summed reward, so its per-channel normalisation would be lost; use "
                           "--sampler uniform")
-    for name in ("critic_lr", "value_clip"):
-        if not method.needs_values and getattr(cfg, name) != getattr(default, name):
-            raise ConfigError(f"{name} = {getattr(cfg, name)!r} has no effect with method {method.name!r}: its "
-                              f"advantage {adv!r} uses no critic (a critic preset such as ppo does)")
+    if not method.needs_values and cfg.critic != default.critic:  # name the critic setting that was given
+        given, defaults = flat(cfg), flat(default)
+        name = next(n for n in ("critic_lr", "value_clip") if getattr(given, n) != getattr(defaults, n))
+        raise ConfigError(f"{name} = {getattr(given, name)!r} has no effect with method {method.name!r}: its "
+                          f"advantage {adv!r} uses no critic (a critic preset such as ppo does)")
     if cfg.max_gen_rounds != default.max_gen_rounds and (cfg.sampler == "tree" or not method.filters):
         why = "sampler = 'tree' spends a fixed budget" if cfg.sampler == "tree" else \
             f"method {method.name!r} has no group filter that could drop a group"
         raise ConfigError(f"max_gen_rounds = {cfg.max_gen_rounds} has no effect: {why} (it bounds the refill "
                           "rounds of dynamic sampling)")
-    if cfg.tree_predictor == "likelihood" and not getattr(task, "exact_answer", False):
+    if cfg.sampler == "tree" and cfg.tree.predictor == "likelihood" and not getattr(task, "exact_answer", False):
         raise ConfigError(f"tree_predictor = 'likelihood' is not allowed with task = {cfg.task!r}"
                           f"{' and reward_funcs' if cfg.reward_funcs else ''}: it needs a reward that is 1 exactly "
                           "when the completion is the reference answer (addition, addition_mixed); use history or "
@@ -217,9 +219,10 @@ def build_components(cfg: TrainConfig, method, task, model_dir: str) -> Componen
 
     from polyrl.batch import boundary_token_ids
     from polyrl.evaluation import Evaluator
-    from polyrl.learner import LocalLearner, ValueHead
+    from polyrl.learner.local import LocalLearner, ValueHead
     from polyrl.model import load_policy
-    from polyrl.rollout.agency import AgencyArbiter, AgencySource, parse_schedule
+    from polyrl.rollout.agency.arbiter import AgencyArbiter, AgencySource
+    from polyrl.rollout.agency.config import parse_schedule
     from polyrl.rollout.episodes import EpisodeRunner
     from polyrl.rollout.generator import SamplingParams
     from polyrl.rollout.hf import HFGenerator
@@ -234,14 +237,14 @@ def build_components(cfg: TrainConfig, method, task, model_dir: str) -> Componen
                            max_grad_norm=cfg.max_grad_norm, temperature=cfg.temperature, top_p=cfg.top_p,
                            top_k=cfg.top_k, fp32_head=cfg.fp32_lm_head, micro_batch_size=cfg.micro_batch_size,
                            reference=reference, ref_sync_every=method.ref_sync_every, critic=critic,
-                           critic_lr=cfg.critic_lr, value_clip=cfg.value_clip)
+                           critic_lr=cfg.critic.lr, value_clip=cfg.critic.value_clip)
     # The sampler shares the policy module, so its weights are always current (no push needed in-process).
     generator = HFGenerator(policy, tokenizer, fp32_head=cfg.fp32_lm_head)
     arbiter = None
-    if cfg.agency is not None:  # agency transfer: a frozen baseline acts first, the learner takes over
-        baseline, _ = load_policy(cfg.agency, dtype=cfg.dtype)
-        arbiter = generator.arbiter = AgencyArbiter(baseline, parse_schedule(cfg.agency_schedule),
-                                                    mode=cfg.agency_mode)
+    if cfg.agency.baseline is not None:  # agency transfer: a frozen baseline acts first, the learner takes over
+        baseline, _ = load_policy(cfg.agency.baseline, dtype=cfg.dtype)
+        arbiter = generator.arbiter = AgencyArbiter(baseline, parse_schedule(cfg.agency.schedule),
+                                                    mode=cfg.agency.mode)
     runner = EpisodeRunner(generator, tokenizer, task)
     evaluate = Evaluator(runner, task, task.prompts("test", cfg.eval_prompts, seed=0), cfg.max_new_tokens, arbiter)
 
@@ -265,26 +268,28 @@ def _group_source(cfg: TrainConfig, method, learner, runner, rewards, sampling, 
 
     def start_prefetch(version: int) -> AsyncPipeline:  # with the weights of the step it starts at (resume)
         return AsyncPipeline(model_dir, task_name=cfg.task, data_file=cfg.data_file,
-                             heldout_percent=cfg.heldout_percent, staleness=cfg.async_staleness, dtype=cfg.dtype,
+                             heldout_percent=cfg.heldout_percent, staleness=cfg.prefetch.staleness, dtype=cfg.dtype,
                              fp32_head=cfg.fp32_lm_head, threads=_generator_threads(cfg), weights=learner.weights(),
                              version=version, reference=method.needs_ref and not method.ref_sync_every,
                              micro_batch_size=cfg.micro_batch_size, **learner.sampling)
 
     return GroupSource(runner, rewards, num_groups=cfg.prompts_per_step, sampling=sampling,
                        max_rounds=cfg.max_gen_rounds, steps=cfg.steps,
-                       start_prefetch=start_prefetch if cfg.async_staleness else None)
+                       start_prefetch=start_prefetch if cfg.prefetch.staleness else None)
 
 
 def _tree_source(cfg: TrainConfig, learner, generator, runner, rewards, sampling, tokenizer):
-    from polyrl.learner import answer_likelihood, prompt_embedder
-    from polyrl.rollout.tree import TreeSampler, TreeSource
+    from polyrl.learner.local import answer_likelihood, prompt_embedder
+    from polyrl.rollout.tree.sampler import TreeSampler
+    from polyrl.rollout.tree.source import TreeSource
 
-    kind = cfg.tree_predictor
+    tree = cfg.tree
+    kind = tree.predictor
     embed = prompt_embedder(learner.model, tokenizer) if kind == "shared" else None
     exact = answer_likelihood(learner, generator, cfg.max_new_tokens) if kind == "likelihood" else None
-    sampler = TreeSampler(runner, {}, root_frac=cfg.tree_root_frac, roots=cfg.tree_roots,
-                          candidate_factor=cfg.tree_candidates, prune=cfg.tree_prune, branch=cfg.tree_branch,
-                          half_life=cfg.tree_half_life, max_group=cfg.tree_max_group, objective=cfg.tree_probe,
+    sampler = TreeSampler(runner, {}, root_frac=tree.root_frac, roots=tree.roots, candidate_factor=tree.candidates,
+                          prune=tree.prune, branch=tree.branch, half_life=tree.half_life, max_group=tree.max_group,
+                          objective=tree.probe,
                           embed=embed, likelihood=exact)
     return TreeSource(sampler, rewards, num_groups=cfg.prompts_per_step, sampling=sampling)
 
@@ -299,6 +304,6 @@ def _generator_threads(cfg: TrainConfig) -> int:
 def _trainer_threads(cfg: TrainConfig) -> int | None:
     import os
 
-    if cfg.async_staleness:
+    if cfg.prefetch.staleness:
         return max(1, (cfg.threads or os.cpu_count() or 1) - _generator_threads(cfg))
     return cfg.threads or None

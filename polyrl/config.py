@@ -1,9 +1,14 @@
-"""Typed run configuration: dataclasses with one docstring line per field, a TOML file plus flags.
+"""Typed run configuration: core fields plus feature sections declared beside their code, one docstring each.
 
-``add_config_args`` turns the fields into ``--flag`` options (help text = the field's docstring);
-``load_toml`` reads a file whose keys must be field names; ``validate`` raises ConfigError with one
-line naming the field, the value and what is allowed. The CLI is the only caller (ARCHITECTURE.md:
-``cli`` is the only place that reads config files and flags).
+``TrainConfig`` holds the core settings and nests each feature's own dataclass: ``tree``
+(``rollout/tree/config.py``), ``agency`` (``rollout/agency/config.py``), ``prefetch``
+(``rollout/source.py``), ``critic`` (``learner/config.py``) and ``guard`` (``guard.py``). Users name
+every setting flat: ``--tree-roots`` / ``tree_roots`` is ``cfg.tree.roots``, and a feature's own switch
+keeps its name (``--agency DIR``, ``--guard``). ``settings`` lists them; ``add_config_args`` turns them
+into flags (help text = the field's docstring), ``load_toml`` reads a file of flat keys or feature tables
+(``[tree]`` then ``roots = "sample"``), ``build_config`` type-checks flat values into the nested config,
+``to_dict`` gives the flat record (a run's ``config.json``), and ``validate`` raises ConfigError with one
+line naming the setting, the value and what is allowed. Nothing here imports torch.
 """
 
 from __future__ import annotations
@@ -16,10 +21,17 @@ import inspect
 import os
 import textwrap
 import tomllib
+import types
 import typing
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
+
+from polyrl.guard import GuardConfig
+from polyrl.learner.config import CriticConfig
+from polyrl.rollout.agency.config import AgencyConfig
+from polyrl.rollout.source import PrefetchConfig
+from polyrl.rollout.tree.config import TreeConfig
 
 
 class ConfigError(ValueError):
@@ -75,49 +87,20 @@ class TrainConfig:
     """optimizer steps per epoch (the batch is split into this many minibatches)"""
     micro_batch_size: int = 64
     """sequences per forward/backward pass (gradient accumulation inside a minibatch)"""
-    critic_lr: float = 1e-4
-    """learning rate of the critic (GAE presets only)"""
-    value_clip: float = 0.5
-    """critic value clipping range eps_v (GAE presets only)"""
     max_gen_rounds: int = 4
     """dynamic sampling: generation rounds per step at most when filters drop groups"""
     train_prompts: int = 0
     """size of the training prompt pool the stream cycles through (0 = the whole train split)"""
     sampler: Literal["uniform", "tree"] = "uniform"
     """rollout allocation: uniform (G per prompt) or tree (TRACE-style roots + branches, same budget)"""
-    tree_root_frac: float = 0.5
-    """tree sampler: share of the rollout budget spent probing prompts (the rest extends them: roots or branches)"""
-    tree_candidates: float = 2.0
-    """tree sampler: candidate prompts drawn per group slot (the allocation may skip some)"""
-    tree_prune: float = 0.05
-    """tree sampler: anchors predicted to succeed with p < prune or p > 1 - prune get no rollouts (with
-    tree_roots = 'sample' only prefixes are pruned: every prompt keeps a chance to be drawn)"""
-    tree_half_life: float = 0.0
-    """tree sampler: steps after which a prompt's pass-rate history counts half (0 = it never ages)"""
-    tree_max_group: int = 0
-    """tree sampler: most rollouts of one prompt in a step, probes and extensions together (0 = 2 x group size)"""
-    tree_predictor: Literal["history", "shared", "likelihood"] = "history"
-    """tree sampler: a prompt's success prior from the pool (history) or also from prompts like it (shared: a
-    regression on the policy's features of the prompt, so unseen prompts are predicted too); likelihood: the policy's
-    probability of the reference answer, which is the success rate itself on exact-answer tasks (addition)"""
-    tree_probe: Literal["groups", "rollouts"] = "rollouts"
-    """tree sampler: what the probe allocation maximises: expected mixed groups (spreads probes of two over more
-    prompts) or expected rollouts in mixed groups (fewer, fuller groups)"""
-    tree_roots: Literal["dp", "sample"] = "dp"
-    """tree sampler: how prompts are chosen for probing: dp (the exact allocation, the most expected mixed groups)
-    or sample (drawn in proportion to their chance of a mixed group, with importance weights on the loss, KL
-    included, that keep its expectation that of prompts drawn uniformly)"""
-    tree_branch: bool = True
-    """tree sampler: continue prefixes of the probes (turn boundaries, or half the completion) as sibling groups;
-    --no-tree-branch spends the extension budget on the probed prompts' root groups only"""
-    agency: str | None = None
-    """agency transfer: local model directory of a frozen baseline policy that acts first"""
-    agency_schedule: str = "linear:steps=50"
-    """agency transfer: the baseline's share beta(step): linear:steps=N, exp:tau=T or step:steps=N"""
-    agency_mode: Literal["token", "sequence"] = "token"
-    """agency transfer: the arbiter picks the acting policy per token or per completion"""
-    async_staleness: int = 0
-    """asynchronous pipeline: a generation process runs up to k policy versions ahead (0 = synchronous)"""
+    tree: TreeConfig = field(default_factory=TreeConfig)
+    """the tree sampler (--sampler tree): flags --tree-*, TOML table [tree]"""
+    agency: AgencyConfig = field(default_factory=AgencyConfig)
+    """agency transfer: flags --agency DIR, --agency-*, TOML table [agency]"""
+    prefetch: PrefetchConfig = field(default_factory=PrefetchConfig)
+    """asynchronous generation: flag --async-staleness, TOML table [async]"""
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    """the critic of GAE presets: flags --critic-lr, --value-clip, TOML table [critic]"""
     eval_every: int = 25
     """held-out greedy evaluation every N steps (0 = only before and after)"""
     eval_prompts: int = 200
@@ -138,12 +121,8 @@ class TrainConfig:
     """model dtype"""
     fp32_lm_head: bool = False
     """compute the LM head in float32 (ScaleRL)"""
-    guard: bool = False
-    """collapse guard: on a detected collapse roll back to the last good checkpoint and lower the lr"""
-    guard_lr_factor: float = 0.5
-    """the guard multiplies the learning rate by this on every rollback"""
-    guard_max_rollbacks: int = 3
-    """the guard stops the run after this many rollbacks"""
+    guard: GuardConfig = field(default_factory=GuardConfig)
+    """the collapse guard: flags --guard, --guard-*, TOML table [guard]"""
     max_bad_steps: int = 5
     """stop after this many consecutive steps with a non-finite loss"""
     log_every: int = 10
@@ -165,29 +144,59 @@ def field_docs(cls: type) -> dict[str, str]:
     return docs
 
 
+class Setting(NamedTuple):
+    """One setting as users name it (a flag, a TOML key) and where it lives in the (nested) config."""
+
+    name: str  # flat name: --tree-roots is tree_roots; a feature's own switch keeps its name (--agency, --guard)
+    path: tuple[str, ...]  # ("tree", "roots")
+    type: Any
+    default: Any
+    doc: str
+
+
+def _is_section(f: dataclasses.Field) -> bool:
+    return f.default_factory is not dataclasses.MISSING and dataclasses.is_dataclass(f.default_factory)
+
+
+def settings(cls: type = TrainConfig) -> list[Setting]:
+    """Every setting of ``cls``, flat: its own fields, then each feature section's (``TreeConfig`` ...)."""
+    hints, docs, out = typing.get_type_hints(cls), field_docs(cls), []
+    for f in fields(cls):
+        if not _is_section(f):
+            out.append(Setting(f.name, (f.name,), hints[f.name], f.default, docs.get(f.name, "")))
+            continue
+        sub = f.default_factory
+        sub_hints, sub_docs = typing.get_type_hints(sub), field_docs(sub)
+        for g in fields(sub):
+            flat = g.metadata.get("flag", f"{sub.PREFIX}_{g.name}")
+            out.append(Setting(flat, (f.name, g.name), sub_hints[g.name], g.default, sub_docs.get(g.name, "")))
+    return out
+
+
+def add_config_args(parser: argparse.ArgumentParser, cls: type = TrainConfig) -> None:
+    """Add one ``--setting-name`` option per setting; defaults are None so that TOML values can sit beneath."""
+    for s in settings(cls):
+        flag = "--" + s.name.replace("_", "-")
+        help_ = f"{s.doc} (default: {s.default})"
+        if s.type is bool:
+            parser.add_argument(flag, dest=s.name, action=argparse.BooleanOptionalAction, default=None, help=help_)
+        elif typing.get_origin(s.type) is Literal:
+            parser.add_argument(flag, dest=s.name, choices=typing.get_args(s.type), default=None, help=help_)
+        else:
+            parser.add_argument(flag, dest=s.name, type=_base_type(s.type), default=None, help=help_)
+
+
 def _base_type(tp: Any) -> Any:
     args = [a for a in typing.get_args(tp) if a is not type(None)]
     return args[0] if typing.get_origin(tp) is not Literal and args else tp
 
 
-def add_config_args(parser: argparse.ArgumentParser, cls: type = TrainConfig) -> None:
-    """Add one ``--field-name`` option per field; defaults are None so that TOML values can sit beneath."""
-    hints = typing.get_type_hints(cls)
-    docs = field_docs(cls)
-    for f in fields(cls):
-        tp = hints[f.name]
-        flag = "--" + f.name.replace("_", "-")
-        help_ = f"{docs.get(f.name, '')} (default: {f.default})"
-        if tp is bool:
-            parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=help_)
-        elif typing.get_origin(tp) is Literal:
-            parser.add_argument(flag, dest=f.name, choices=typing.get_args(tp), default=None, help=help_)
-        else:
-            parser.add_argument(flag, dest=f.name, type=_base_type(tp), default=None, help=help_)
-
-
 def load_toml(path: str | os.PathLike, cls: type = TrainConfig) -> dict[str, Any]:
-    """Read a TOML config; keys are field names (dashes allowed), unknown keys are an error."""
+    """Read a TOML config into flat settings; keys are setting names (dashes allowed) or a feature's table.
+
+    A table names a feature: ``[tree]`` then ``roots = "sample"`` is ``tree_roots`` (flags stay flat:
+    ``--tree-roots``); ``[guard]`` ``enabled = true`` is ``guard``. An unknown key anywhere is an error.
+    """
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"config file {str(p)!r} does not exist")
@@ -195,43 +204,70 @@ def load_toml(path: str | os.PathLike, cls: type = TrainConfig) -> dict[str, Any
         data = tomllib.loads(p.read_text())
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"config file {str(p)!r} is not valid TOML: {e}") from None
-    known = {f.name for f in fields(cls)}
-    # A table names a feature: [tree] roots = "sample" is tree_roots = "sample" (flags stay flat: --tree-roots).
-    flat = [(f"{table}.{k}", f"{table}_{k}", v) for table, sub in data.items() if isinstance(sub, dict)
-            for k, v in sub.items()]
-    flat += [(key, key, value) for key, value in data.items() if not isinstance(value, dict)]
+    known = {s.name: s for s in settings(cls)}
+    by_table = {}  # "tree.roots" -> tree_roots (the table may be the section's field name or its prefix)
+    for f in fields(cls):
+        if _is_section(f):
+            for s in known.values():
+                if s.path[0] == f.name:
+                    by_table[f"{f.name}.{s.path[1]}"] = by_table[f"{f.default_factory.PREFIX}.{s.path[1]}"] = s.name
     out = {}
-    for key, name, value in flat:
-        name = name.replace("-", "_")
-        if name not in known or isinstance(value, dict):
-            near = difflib.get_close_matches(name, known, n=1)
-            hint = f" (did you mean {near[0].replace('_', '.', 1) if '.' in key else near[0]!r}?)" if near else ""
-            raise ConfigError(f"config file {str(p)!r}: unknown field {key!r}{hint}; "
-                              f"allowed: {', '.join(sorted(known))}")
-        out[name] = value
+    for key, value in data.items():
+        items = [(f"{key}.{k}", v) for k, v in value.items()] if isinstance(value, dict) else [(key, value)]
+        for written, v in items:
+            name = written.replace("-", "_")
+            setting = by_table.get(name) if "." in name else name if name in known else None
+            if setting is None or isinstance(v, dict):
+                near = difflib.get_close_matches(name, list(by_table) if "." in name else list(known), n=1)
+                hint = f" (did you mean {near[0]!r}?)" if near else ""
+                raise ConfigError(f"config file {str(p)!r}: unknown field {written!r}{hint}; "
+                                  f"allowed: {', '.join(sorted(known))}")
+            out[setting] = v
     return out
 
 
 def build_config(values: dict[str, Any], cls: type = TrainConfig) -> Any:
-    """Instantiate ``cls`` from values (TOML merged with flags), checking types."""
-    hints = typing.get_type_hints(cls)
-    kwargs = {}
-    for f in fields(cls):
-        if f.name not in values or values[f.name] is None:
+    """Instantiate ``cls`` from flat settings (TOML merged with flags), checking each one's type."""
+    top: dict[str, Any] = {}
+    sections: dict[str, dict[str, Any]] = {}
+    for s in settings(cls):
+        if s.name not in values or values[s.name] is None:
             continue
-        value, tp = values[f.name], hints[f.name]
-        base = _base_type(tp)
+        value, base = values[s.name], _base_type(s.type)
         ok = (
-            value in typing.get_args(tp) if typing.get_origin(tp) is Literal
+            value in typing.get_args(s.type) if typing.get_origin(s.type) is Literal
             else isinstance(value, bool) if base is bool
             else isinstance(value, (int, float)) and not isinstance(value, bool) if base is float
             else isinstance(value, int) and not isinstance(value, bool) if base is int
             else isinstance(value, base)
         )
         if not ok:
-            raise ConfigError(f"{f.name} = {value!r} must be {getattr(base, '__name__', base)}")
-        kwargs[f.name] = float(value) if base is float else value
-    return cls(**kwargs)
+            raise ConfigError(f"{s.name} = {value!r} must be {getattr(base, '__name__', base)}")
+        value = float(value) if base is float else value
+        if len(s.path) == 1:
+            top[s.name] = value
+        else:
+            sections.setdefault(s.path[0], {})[s.path[1]] = value
+    for f in fields(cls):
+        if _is_section(f):
+            top[f.name] = f.default_factory(**sections.get(f.name, {}))
+    return cls(**top)
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    """The flat settings of a config (what flags, TOML keys and a run's config.json name)."""
+    out = {}
+    for s in settings(type(cfg)):
+        value = cfg
+        for part in s.path:
+            value = getattr(value, part)
+        out[s.name] = value
+    return out
+
+
+def flat(cfg: Any) -> Any:
+    """A read-only view of ``cfg`` by flat setting names (``flat(cfg).tree_roots``), for rules across sections."""
+    return types.SimpleNamespace(**to_dict(cfg))
 
 
 def _rule(name: str, value: Any, ok: bool, allowed: str) -> None:
@@ -239,8 +275,9 @@ def _rule(name: str, value: Any, ok: bool, allowed: str) -> None:
         raise ConfigError(f"{name} = {value!r} is not allowed; {allowed}")
 
 
-def validate(cfg: TrainConfig) -> None:
+def validate(config: TrainConfig) -> None:
     """Check value ranges and combinations that do not depend on loading anything."""
+    cfg, default = flat(config), flat(TrainConfig())
     for name in ("steps", "prompts_per_step", "group_size", "max_new_tokens", "epochs_per_batch", "minibatches",
                  "micro_batch_size", "eval_prompts", "max_gen_rounds", "max_bad_steps"):
         v = getattr(cfg, name)
@@ -256,7 +293,7 @@ def validate(cfg: TrainConfig) -> None:
     _rule("guard_lr_factor", cfg.guard_lr_factor, 0 < cfg.guard_lr_factor < 1, "must be in (0, 1)")
     _rule("guard_max_rollbacks", cfg.guard_max_rollbacks, cfg.guard_max_rollbacks >= 1, "must be an integer >= 1")
     for name in ("guard_lr_factor", "guard_max_rollbacks"):
-        _rule(name, getattr(cfg, name), cfg.guard or getattr(cfg, name) == getattr(TrainConfig(), name),
+        _rule(name, getattr(cfg, name), cfg.guard or getattr(cfg, name) == getattr(default, name),
               "only applies with the collapse guard (add --guard)")
     if cfg.guard:
         _rule("checkpoint_every", cfg.checkpoint_every, cfg.checkpoint_every >= 1,
@@ -267,7 +304,7 @@ def validate(cfg: TrainConfig) -> None:
     _rule("tree_half_life", cfg.tree_half_life, cfg.tree_half_life >= 0, "must be >= 0 (0 = no ageing)")
     if cfg.agency is not None:
         _rule("agency", cfg.agency, Path(cfg.agency).is_dir(), "must be an existing local model directory")
-        from polyrl.rollout.agency import parse_schedule
+        from polyrl.rollout.agency.config import parse_schedule
 
         try:
             parse_schedule(cfg.agency_schedule)
@@ -283,7 +320,6 @@ def validate(cfg: TrainConfig) -> None:
     if cfg.sampler == "tree":
         _rule("sampler", cfg.sampler, cfg.group_size >= 2, "'tree' needs group_size >= 2")
     # settings of a feature that is off would be silently ignored: refuse them
-    default = TrainConfig()
     _rule("tree_max_group", cfg.tree_max_group, cfg.tree_max_group == 0 or cfg.tree_max_group >= cfg.group_size,
           f"must be 0 (twice the group size) or >= group_size = {cfg.group_size}")
     _rule("tree_half_life", cfg.tree_half_life, cfg.tree_predictor != "likelihood" or not cfg.tree_half_life,
@@ -326,5 +362,3 @@ def validate(cfg: TrainConfig) -> None:
           "only applies to a task read from --data-file")
 
 
-def to_dict(cfg: Any) -> dict[str, Any]:
-    return dataclasses.asdict(cfg)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from polyrl.rollout.agency import AgencyArbiter
+from polyrl.rollout.agency.arbiter import AgencyArbiter
 from polyrl.rollout.episodes import EpisodeRunner
 from polyrl.rollout.generator import SamplingParams
 from polyrl.rollout.score import succeeded

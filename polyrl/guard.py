@@ -7,18 +7,32 @@ does, so a run is judged the same way during training and in the lab's report.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 from rich.console import Console
 
-from polyrl.checkpoint import latest_checkpoint
 from polyrl.collapse import CollapseMonitor, CollapseRule
 from polyrl.errors import TrainingError
 
 if TYPE_CHECKING:
-    from polyrl.learner import Learner
+    from polyrl.learner.local import Learner
     from polyrl.trainer import TrainState
+
+
+@dataclass
+class GuardConfig:
+    """The collapse guard's settings: flags ``--guard*``, the TOML table ``[guard]``, ``TrainConfig.guard``."""
+
+    PREFIX: ClassVar[str] = "guard"
+
+    enabled: bool = field(default=False, metadata={"flag": "guard"})
+    """collapse guard: on a detected collapse roll back to the last good checkpoint and lower the lr"""
+    lr_factor: float = 0.5
+    """the guard multiplies the learning rate by this on every rollback"""
+    max_rollbacks: int = 3
+    """the guard stops the run after this many rollbacks"""
 
 
 def make_monitor(history: list[dict[str, float]], up_to: int) -> CollapseMonitor:
@@ -37,6 +51,8 @@ def roll_back(run: Path, state: TrainState, restore: Callable[[Path], TrainState
     ``restore(path)`` loads a checkpoint into the learner and the rollout source and returns the loop's state;
     the learning rate becomes ``base_lr * factor ** rollbacks``; more than ``max_rollbacks`` stop the run.
     """
+    from polyrl.checkpoint import latest_checkpoint  # torch: only when a rollback happens
+
     ck = latest_checkpoint(run)
     if ck is None or state.rollbacks >= max_rollbacks:
         raise TrainingError(f"collapse at step {state.step} ({reason}) and "

@@ -104,7 +104,7 @@ def train(cfg: TrainConfig, method: Method, *, model_dir: str, task: Task, run_d
         logger.log(state.step, first)
     console.print(f"[bold]{method.name}[/] on {task.name}: held-out accuracy before = {state.eval_before:.3f}")
 
-    monitor = make_monitor(logger.history, state.step) if cfg.guard else None
+    monitor = make_monitor(logger.history, state.step) if cfg.guard.enabled else None
     started = time.perf_counter()
     steps_done = rollouts = 0
     step_seconds = 0.0  # time inside RL steps only (no evaluation or checkpointing)
@@ -132,7 +132,7 @@ def train(cfg: TrainConfig, method: Method, *, model_dir: str, task: Task, run_d
                 reason = monitor.update(state.step, metrics) if monitor is not None else None
                 if reason is not None:  # --guard: back to the last good checkpoint with a lower learning rate
                     state = roll_back(run, state, lambda path: _restore(parts, path), parts.learner, base_lr=cfg.lr,
-                                      factor=cfg.guard_lr_factor, max_rollbacks=cfg.guard_max_rollbacks,
+                                      factor=cfg.guard.lr_factor, max_rollbacks=cfg.guard.max_rollbacks,
                                       reason=reason, console=console)
                     monitor = make_monitor(logger.history, state.step)
                     logger.log(state.step, {"guard/rollbacks": state.rollbacks, "guard/lr": parts.learner.lr})

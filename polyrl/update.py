@@ -16,7 +16,7 @@ from torch import Tensor
 
 from polyrl.batch import TokenBatch
 from polyrl.errors import TrainingError
-from polyrl.learner import Learner
+from polyrl.learner.local import Learner
 from polyrl.objectives import Method, policy_loss
 from polyrl.objectives.objective import zero_grad_by_quarter
 from polyrl.types import LossInputs, Normalizer, group_token_counts

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import io
 import json
 
@@ -12,7 +11,7 @@ import torch
 from rich.console import Console
 
 from polyrl.build import add_train_args, resolve_train
-from polyrl.config import ConfigError, TrainConfig, load_toml
+from polyrl.config import ConfigError, TrainConfig, build_config, load_toml, settings
 from polyrl.methods import get_method
 from polyrl.objectives.group_layout import advantages
 from polyrl.rollout.collect import RolloutBatch
@@ -69,7 +68,7 @@ ALWAYS = {"method", "task", "reward_funcs", "reward_weights", "model", "run_dir"
 
 
 def test_every_field_is_classified():
-    names = {f.name for f in dataclasses.fields(TrainConfig)}
+    names = {s.name for s in settings(TrainConfig)}
     assert names == ALWAYS | {m[0] for m in MOOT}, "classify the new field: MOOT (with a moot setting) or ALWAYS"
 
 
@@ -134,9 +133,9 @@ def test_a_kl_penalty_in_the_reward_reaches_tree_advantages():
 
 
 def test_rloo_under_the_tree_sampler_logs_its_reward_kl_penalty(tiny_model, tmp_path):
-    cfg = TrainConfig(steps=2, prompts_per_step=2, group_size=4, max_new_tokens=4, eval_prompts=4, eval_every=0,
-                      checkpoint_every=0, tensorboard=False, log_every=0, lr=1e-2, warmup_steps=0, threads=1,
-                      sampler="tree", reward_funcs="tests.reward_fns:digit_fraction")
+    cfg = build_config(dict(steps=2, prompts_per_step=2, group_size=4, max_new_tokens=4, eval_prompts=4,
+                            eval_every=0, checkpoint_every=0, tensorboard=False, log_every=0, lr=1e-2, warmup_steps=0,
+                            threads=1, sampler="tree", reward_funcs="tests.reward_fns:digit_fraction"))
     train(cfg, get_method("rloo"), model_dir=tiny_model, task=AdditionTask(), run_dir=str(tmp_path), console=QUIET)
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     penalties = [r["reward/kl_penalty"] for r in rows if "reward/mean" in r]
@@ -150,3 +149,28 @@ def test_dynamic_sampling_refills_until_its_round_limit(tiny_model, tmp_path):
     train(cfg, get_method("dapo"), model_dir=tiny_model, task=AdditionTask(), run_dir=str(tmp_path), console=QUIET)
     row = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()][1]
     assert row["rollout/gen_rounds"] == 3 and row["rollout/generated"] == 3 * 2 * 2 and row["rollout/empty_steps"] == 1
+
+
+def test_feature_settings_nest_in_their_sections_and_stay_flat_as_flags_and_toml(tmp_path):
+    from polyrl.guard import GuardConfig
+    from polyrl.learner.config import CriticConfig
+    from polyrl.rollout.agency.config import AgencyConfig
+    from polyrl.rollout.source import PrefetchConfig
+    from polyrl.rollout.tree.config import TreeConfig
+
+    cfg = build_config({"tree_roots": "sample", "agency": "/x", "guard": True, "guard_lr_factor": 0.25,
+                        "async_staleness": 2, "critic_lr": 1e-3, "value_clip": 0.3})
+    assert cfg.tree == TreeConfig(roots="sample") and cfg.agency == AgencyConfig(baseline="/x")
+    assert cfg.guard == GuardConfig(enabled=True, lr_factor=0.25) and cfg.prefetch == PrefetchConfig(staleness=2)
+    assert cfg.critic == CriticConfig(lr=1e-3, value_clip=0.3)
+    from polyrl.config import to_dict
+
+    assert build_config(to_dict(cfg)) == cfg  # config.json's flat record rebuilds the same config
+    toml = tmp_path / "t.toml"
+    toml.write_text('[guard]\nenabled = true\n[async]\nstaleness = 1\n[critic]\nlr = 0.001\nvalue_clip = 0.2\n'
+                    '[agency]\nbaseline = "/b"\nmode = "sequence"\n')
+    assert load_toml(toml) == {"guard": True, "async_staleness": 1, "critic_lr": 0.001, "value_clip": 0.2,
+                               "agency": "/b", "agency_mode": "sequence"}
+    toml.write_text('[critic]\nclip = 0.2\n')
+    with pytest.raises(ConfigError, match=r"unknown field 'critic.clip'"):
+        load_toml(toml)

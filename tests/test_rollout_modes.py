@@ -9,7 +9,7 @@ import pytest
 from rich.console import Console
 
 from polyrl.cli import main
-from polyrl.config import TrainConfig
+from polyrl.config import TrainConfig, build_config
 from polyrl.learner import LocalLearner
 from polyrl.methods import get_method
 from polyrl.objectives import override
@@ -32,7 +32,7 @@ def models(tmp_path_factory):
 def _cfg(**kw) -> TrainConfig:
     base = dict(steps=3, prompts_per_step=2, group_size=4, max_new_tokens=6, eval_prompts=8, eval_every=0,
                 checkpoint_every=0, tensorboard=False, log_every=0, lr=1e-3, warmup_steps=0, threads=1)
-    return TrainConfig(**{**base, "reward_funcs": DENSE, **kw})
+    return build_config({**base, "reward_funcs": DENSE, **kw})
 
 
 DENSE = "tests.reward_fns:digit_fraction"  # a dense reward: every group has variance

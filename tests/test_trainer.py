@@ -10,7 +10,7 @@ import torch
 from rich.console import Console
 
 from polyrl.cli import main
-from polyrl.config import TrainConfig
+from polyrl.config import TrainConfig, build_config
 from polyrl.methods import PRESETS, get_method
 from polyrl.tasks.arithmetic import AdditionTask
 from polyrl.tinylm import build_tiny_llama
@@ -27,7 +27,7 @@ def tiny_model(tmp_path_factory):
 def _cfg(**kw) -> TrainConfig:
     base = dict(steps=2, prompts_per_step=2, group_size=4, max_new_tokens=6, eval_prompts=8, eval_every=0,
                 checkpoint_every=0, tensorboard=False, log_every=0, lr=1e-3, warmup_steps=0, threads=1)
-    return TrainConfig(**{**base, "reward_funcs": DENSE, **kw})
+    return build_config({**base, "reward_funcs": DENSE, **kw})
 
 
 # A dense reward (share of digits) so that every group has variance even before any training.

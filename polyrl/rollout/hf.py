@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from transformers import DynamicCache
 
 from polyrl.model import head_logits, linear_head, process_logits
-from polyrl.rollout.agency import AgencyArbiter, coin_generator
+from polyrl.rollout.agency.arbiter import AgencyArbiter, coin_generator
 from polyrl.rollout.generator import Sample, SamplingParams
 
 

@@ -12,15 +12,27 @@ dynamic-sampling refill and optional asynchronous prefetch (``rollout.group``), 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Protocol
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
-from torch import Tensor
+if TYPE_CHECKING:  # annotations only: this module (and its settings) imports no torch
+    from torch import Tensor
 
-from polyrl.objectives import Method
-from polyrl.rollout.collect import RolloutBatch
-from polyrl.tasks.base import Prompt, Task
+    from polyrl.objectives import Method
+    from polyrl.rollout.collect import RolloutBatch
+    from polyrl.tasks.base import Prompt, Task
 
-Draw = Callable[[int, int], list[tuple[int, Prompt]]]  # (position, k) -> k (pool index, prompt) pairs
+Draw = Callable[[int, int], "list[tuple[int, Prompt]]"]  # (position, k) -> k (pool index, prompt) pairs
+
+
+@dataclass
+class PrefetchConfig:
+    """Generation ahead of the trainer: ``--async-staleness``, TOML ``[async]``, ``TrainConfig.prefetch``."""
+
+    PREFIX: ClassVar[str] = "async"
+
+    staleness: int = 0
+    """asynchronous pipeline: a generation process runs up to k policy versions ahead (0 = synchronous)"""
 
 
 class PromptStream:

@@ -5,28 +5,22 @@ section 3, marked [ours] there): ``allocation`` holds its maths, ``predictors`` 
 ``polyrl.objectives.group_layout``.
 """
 
-from polyrl.rollout.tree.allocation import (
-    allocate_by_gain,
-    allocate_rollouts,
-    expected_useful,
-    inclusion_probabilities,
-    p_mixed,
-    systematic_sample,
-)
-from polyrl.rollout.tree.predictors import SuccessPredictor, prefix_estimate
-from polyrl.rollout.tree.sampler import TreeSampler, branch_points
-from polyrl.rollout.tree.source import TreeSource
+from __future__ import annotations
 
-__all__ = [
-    "SuccessPredictor",
-    "TreeSampler",
-    "TreeSource",
-    "allocate_by_gain",
-    "allocate_rollouts",
-    "branch_points",
-    "expected_useful",
-    "inclusion_probabilities",
-    "p_mixed",
-    "prefix_estimate",
-    "systematic_sample",
-]
+import importlib
+
+_EXPORTS = {
+    "TreeConfig": "config",
+    "SuccessPredictor": "predictors", "prefix_estimate": "predictors",
+    "TreeSampler": "sampler", "branch_points": "sampler",
+    "TreeSource": "source",
+    **{name: "allocation" for name in ("allocate_by_gain", "allocate_rollouts", "expected_useful",
+                                       "inclusion_probabilities", "p_mixed", "systematic_sample")},
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):  # imported on first use: ``tree.config`` stays free of torch
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)

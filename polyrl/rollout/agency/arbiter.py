@@ -27,57 +27,13 @@ agency) turns it into the importance weight pi_theta / mu.
 from __future__ import annotations
 
 import hashlib
-import math
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 from torch import Tensor, nn
 
-AgencyMode = Literal["token", "sequence"]
-
-
-def linear_schedule(step: int, steps: int) -> float:
-    """beta = max(0, 1 - step / steps): all baseline at step 0, the learner alone from ``steps`` on."""
-    return max(0.0, 1.0 - step / steps)
-
-
-def exp_schedule(step: int, tau: float) -> float:
-    """beta = exp(-step / tau)."""
-    return math.exp(-step / tau)
-
-
-def step_schedule(step: int, steps: int) -> float:
-    """beta = 1 before ``steps``, then 0."""
-    return 1.0 if step < steps else 0.0
-
-
-SCHEDULES: dict[str, tuple[Callable[..., float], str, type]] = {
-    "linear": (linear_schedule, "steps", int),
-    "exp": (exp_schedule, "tau", float),
-    "step": (step_schedule, "steps", int),
-}
-
-
-def parse_schedule(text: str) -> Callable[[int], float]:
-    """``linear:steps=N`` | ``exp:tau=T`` | ``step:steps=N`` -> beta(step); bad text is a one-line error."""
-    allowed = "linear:steps=N, exp:tau=T or step:steps=N"
-    match = re.fullmatch(r"(\w+):(\w+)=([0-9.eE+-]+)", text.strip())
-    if match is None or match.group(1) not in SCHEDULES:
-        raise ValueError(f"agency_schedule = {text!r} is not allowed; use {allowed}")
-    fn, key, kind = SCHEDULES[match.group(1)]
-    if match.group(2) != key:
-        raise ValueError(f"agency_schedule = {text!r}: schedule {match.group(1)!r} takes {key}=..., not "
-                         f"{match.group(2)}=...")
-    try:
-        value = kind(match.group(3))
-    except ValueError:
-        raise ValueError(f"agency_schedule = {text!r}: {key} must be {kind.__name__}") from None
-    if not value > 0:
-        raise ValueError(f"agency_schedule = {text!r}: {key} must be > 0")
-    return lambda step: fn(step, value)
+from polyrl.rollout.agency.config import AgencyMode
 
 
 @dataclass
