@@ -18,9 +18,15 @@ from polyrl.rollout.score import succeeded
 from polyrl.tasks.base import Prompt, Task
 
 
-def greedy_rewards(runner: EpisodeRunner, task: Task, prompts: list[Prompt], max_new_tokens: int) -> list[float]:
-    """The task reward of one greedy completion (or tool episode) per prompt."""
-    samples = runner.sample(prompts, SamplingParams(n=1, temperature=0.0, max_new_tokens=max_new_tokens))
+def greedy_rewards(runner: EpisodeRunner, task: Task, prompts: list[Prompt], max_new_tokens: int,
+                   seed: int = 0) -> list[float]:
+    """The task reward of one greedy completion (or tool episode) per prompt.
+
+    Greedy tokens need no randomness, but agency transfer's coins (who acts) do: ``seed`` fixes them, so an
+    evaluation of the baseline/learner mixture is the same in every run.
+    """
+    params = SamplingParams(n=1, temperature=0.0, max_new_tokens=max_new_tokens, seed=seed)
+    samples = runner.sample(prompts, params)
     return [task.reward(prompts[s.prompt_index], s.text)[0] for s in sorted(samples, key=lambda s: s.prompt_index)]
 
 
@@ -36,7 +42,7 @@ class Evaluator:
         """Metrics at ``step`` and which prompts were solved."""
         if self.arbiter is not None:
             self.arbiter.set_step(step)
-        rewards = greedy_rewards(self.runner, self.task, self.prompts, self.max_new_tokens)
+        rewards = greedy_rewards(self.runner, self.task, self.prompts, self.max_new_tokens, seed=step)
         out, solved = {"eval/accuracy": float(np.mean(rewards))}, [succeeded(r) for r in rewards]
         if solved_before is not None and len(solved_before) == len(rewards):
             for key, start in (("eval/retained", True), ("eval/gained", False)):
@@ -45,7 +51,7 @@ class Evaluator:
         if self.arbiter is not None:  # the standalone learner too
             beta, self.arbiter.beta = self.arbiter.beta, 0.0
             out["eval/learner_accuracy"] = float(np.mean(greedy_rewards(self.runner, self.task, self.prompts,
-                                                                        self.max_new_tokens)))
+                                                                        self.max_new_tokens, seed=step)))
             out["eval/agency_beta"], self.arbiter.beta = beta, beta
         return out, solved
 

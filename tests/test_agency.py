@@ -262,3 +262,24 @@ def test_arbiter_follows_its_schedule_and_freezes_the_baseline(models):
     assert arbiter.set_step(1) == 0.75 and arbiter.beta == 0.75
     assert arbiter.set_step(4) == 0.0 and not arbiter.active
     assert not baseline.training and not any(p.requires_grad for p in baseline.parameters())
+
+
+def test_evaluating_the_mixture_is_the_same_in_every_run(models):
+    """Greedy tokens need no randomness but the arbiter's coins do: the evaluator seeds them by the step."""
+    from polyrl.evaluation import Evaluator
+    from polyrl.rollout.episodes import EpisodeRunner
+    from polyrl.tasks.arithmetic import AdditionTask
+
+    learner, far, _, tokenizer = models
+
+    class DigitShare(AdditionTask):  # a dense reward, so that different coins show in the score
+        def reward(self, prompt, text):
+            return sum(ch.isdigit() for ch in text) / max(1, len(text)), {}
+
+    task = DigitShare()
+    gen = _mixed(learner, far, tokenizer, 0.5, "token")
+    evaluate = Evaluator(EpisodeRunner(gen, tokenizer, task), task, task.prompts("test", 16, seed=0), 6, gen.arbiter)
+    gen.arbiter.schedule = lambda step: 0.5
+    first, again = evaluate(3)[0], evaluate(3)[0]
+    assert first == again
+    assert evaluate(4)[0]["eval/accuracy"] != first["eval/accuracy"]  # another step draws other coins
