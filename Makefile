@@ -13,9 +13,8 @@ $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q torch==2.13.0
-	# Not quiet: a first install downloads for minutes and should show it. editable_mode=compat: a plain .pth
-	# link to this checkout (the default mode prints a setuptools banner about same-named folders).
-	$(BIN)/python -m pip install --progress-bar off -c constraints.txt -e '.[dev]' --config-settings editable_mode=compat
+	# Not quiet: a first install downloads for minutes and should show it.
+	$(BIN)/python -m pip install --progress-bar off -c constraints.txt -e '.[dev]'
 	touch $(STAMP)
 
 demo: $(STAMP)
