@@ -121,18 +121,21 @@ def resolve_train(args: argparse.Namespace) -> TrainPlan:
 
         if not any((Path(cfg.model) / f).is_file() for f in TOKENIZER_FILES):
             raise ConfigError(f"model = {cfg.model!r} has no tokenizer ({' or '.join(TOKENIZER_FILES)})")
-    from polyrl.checkpoint import latest_checkpoint, resume_checkpoint, verify_checkpoint
+    from polyrl.checkpoint import latest_checkpoint, resume_checkpoint
 
     if cfg.resume and cfg.overwrite:
         raise ConfigError("resume = true and overwrite = true contradict each other; choose one")
     plan = TrainPlan(cfg, method, task, run_dir, overrides, changes, notes=notes)
     if cfg.resume:
-        checkpoint = resume_checkpoint(run_dir, cfg.resume_from)
-        cfg.resume_from, plan.resume_step = str(checkpoint), int(verify_checkpoint(checkpoint)["step"])
+        checkpoint, meta = resume_checkpoint(run_dir, cfg.resume_from)
+        cfg.resume_from, plan.resume_step = str(checkpoint), int(meta["step"])
     elif cfg.overwrite:
         shutil.rmtree(run_dir, ignore_errors=True)
     elif latest_checkpoint(run_dir) is not None:
         raise ConfigError(f"run_dir = {run_dir!r} already holds checkpoints; pass --resume to continue it, "
+                          "--overwrite to start over, or another --run-dir")
+    elif any((Path(run_dir) / f).exists() for f in ("config.json", "metrics.jsonl")):
+        raise ConfigError(f"run_dir = {run_dir!r} already holds a run with no checkpoint to resume; pass "
                           "--overwrite to start over, or another --run-dir")
     return plan
 
@@ -143,6 +146,7 @@ def check_combinations(cfg: TrainConfig, method, task) -> None:
     The rules that need only the config live in ``config.validate``; these also need the method or the task.
     """
     from polyrl.registry import ADVANTAGES
+    from polyrl.tasks.rewards import parse_reward_specs
 
     default = TrainConfig()
     adv = method.advantage.name
@@ -167,7 +171,9 @@ def check_combinations(cfg: TrainConfig, method, task) -> None:
             f"method {method.name!r} has no group filter that could drop a group"
         raise ConfigError(f"max_gen_rounds = {cfg.max_gen_rounds} has no effect: {why} (it bounds the refill "
                           "rounds of dynamic sampling)")
-    if cfg.sampler == "tree" and cfg.tree.predictor == "likelihood" and not getattr(task, "exact_answer", False):
+    custom = bool(cfg.reward_funcs) and parse_reward_specs(cfg.reward_funcs, None)[0] != ["task"]
+    if cfg.sampler == "tree" and cfg.tree.predictor == "likelihood" and (custom or not getattr(task, "exact_answer",
+                                                                                             False)):
         raise ConfigError(f"tree_predictor = 'likelihood' is not allowed with task = {cfg.task!r}"
                           f"{' and reward_funcs' if cfg.reward_funcs else ''}: it needs a reward that is 1 exactly "
                           "when the completion is the reference answer (addition, addition_mixed); use history or "
@@ -176,14 +182,14 @@ def check_combinations(cfg: TrainConfig, method, task) -> None:
 
 def _resume_settings(run_dir: str, values: dict[str, Any], overrides: dict[str, Any], notes: list[str]):
     """The run's own settings and part overrides (config.json), with the changes a resume may make."""
-    from polyrl.runs import CONFIG, RESUME_MAY_CHANGE, resume_values, saved_record
+    from polyrl.runs import CONFIG, RESUME_MAY_CHANGE, effective_config, resume_values, saved_record
 
     record = saved_record(run_dir)
     if record is None:
         if Path(run_dir).is_dir():  # started from Python (train()): no record, so the flags given are the settings
             notes.append(f"{run_dir} has no {CONFIG}: resuming with the settings given on this command")
         return values, overrides, {}
-    merged, changes = resume_values(record["config"], values, what=f" ({run_dir}/{CONFIG})")
+    merged, changes = resume_values(effective_config(run_dir), values, what=f" ({run_dir}/{CONFIG})")
     saved_overrides = record.get("overrides")
     if saved_overrides is not None:  # runs recorded before part overrides were saved accept the ones given
         for key, new in overrides.items():

@@ -107,21 +107,20 @@ def remove_partial_saves(run_dir: str | Path) -> int:
     return len(partial)
 
 
-def resume_checkpoint(run_dir: str | Path, resume_from: str | Path | None = None) -> Path:
-    """The checkpoint a resume starts from: ``resume_from``, else the newest, verified.
+def resume_checkpoint(run_dir: str | Path, resume_from: str | Path | None = None) -> tuple[Path, dict[str, Any]]:
+    """The checkpoint a resume starts from (``resume_from``, else the newest) and its verified meta.
 
     A corrupt newest checkpoint is not skipped silently: the error names the newest intact one and the
     flag that resumes from it.
     """
     if resume_from is not None:
-        verify_checkpoint(resume_from)
-        return Path(resume_from)
+        return Path(resume_from), verify_checkpoint(resume_from)
     root = Path(run_dir) / "checkpoints"
     found = sorted((p for p in root.glob("step_*") if p.is_dir()), reverse=True) if root.exists() else []
     if not found:
         raise CheckpointError(f"run_dir = {str(run_dir)!r} has no checkpoint to resume from")
     try:
-        verify_checkpoint(found[0])
+        meta = verify_checkpoint(found[0])
     except CheckpointError as e:
         for older in found[1:]:
             try:
@@ -131,7 +130,26 @@ def resume_checkpoint(run_dir: str | Path, resume_from: str | Path | None = None
             raise CheckpointError(f"{e}; the newest intact checkpoint is {older}: resume from it with "
                                   f"--resume-from {older}") from None
         raise CheckpointError(f"{e}; no older intact checkpoint in {root}") from None
-    return found[0]
+    return found[0], meta
+
+
+def set_aside_newer(run_dir: str | Path, step: int) -> list[Path]:
+    """Rename the checkpoints newer than ``step`` to ``superseded_step_*`` (kept, never loaded again).
+
+    A run resumed from an older checkpoint (``--resume-from``, or past a corrupt newest one) branches there: a
+    later resume, a guard rollback or the pruning of old checkpoints must not pick up the abandoned branch.
+    """
+    root = Path(run_dir) / "checkpoints"
+    moved = []
+    for p in sorted(root.glob("step_*")) if root.exists() else []:
+        if p.is_dir() and int(p.name.split("_")[1]) > step:
+            target = root / f"superseded_{p.name}"
+            n = 1
+            while target.exists():
+                target, n = root / f"superseded_{p.name}.{n}", n + 1
+            os.replace(p, target)
+            moved.append(target)
+    return moved
 
 
 def verify_checkpoint(path: str | Path) -> dict[str, Any]:

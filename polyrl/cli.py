@@ -1,4 +1,4 @@
-"""`polyrl` command line: train, warmstart, methods, explain, parts, docs.
+"""`polyrl` command line: train, compare, warmstart, methods, explain, parts, docs, and the RL families (flow).
 
 Bad input prints one line naming the field, the value and what is allowed, and exits with code 2.
 
@@ -159,8 +159,8 @@ def load_plugin(module: str) -> None:
 
     try:
         import_module_or_file(module)
-    except ImportError as e:
-        raise PartError(f"--plugin {module!r} could not be imported: {e}") from None
+    except Exception as e:  # a missing module, a syntax error or a module that raises while it loads
+        raise PartError(f"--plugin {module!r} could not be imported: {type(e).__name__}: {e}") from None
 
 
 def cache_dir() -> Path:

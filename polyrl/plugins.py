@@ -18,9 +18,16 @@ def import_module_or_file(name: str) -> ModuleType:
         path = Path(name)
         if not path.is_file():
             raise ImportError(f"file {name!r} does not exist")
-        spec = importlib.util.spec_from_file_location(path.stem, path)
+        loaded = sys.modules.get(path.stem)
+        if loaded is not None and getattr(loaded, "__file__", None) == str(path.resolve()):
+            return loaded  # executed once per process: a reward file's module-level set-up runs once
+        spec = importlib.util.spec_from_file_location(path.stem, path.resolve())
         module = importlib.util.module_from_spec(spec)
         sys.modules[path.stem] = module
-        spec.loader.exec_module(module)
+        try:
+            spec.loader.exec_module(module)
+        except BaseException:
+            del sys.modules[path.stem]  # a failed import leaves no half-built module behind
+            raise
         return module
     return importlib.import_module(name)

@@ -68,12 +68,12 @@ def resume_values(saved: dict[str, Any], given: dict[str, Any], *, what: str = "
     Returns (values, changes): the saved values with the allowed changes applied, and {name: [old, new]}.
     A differing value outside ``RESUME_MAY_CHANGE`` raises ConfigError naming both values.
     """
-    values, changes = dict(saved), {}
+    # How to run this command (resume, overwrite, run_dir) is never the run's: the record's values are dropped.
+    values = {k: v for k, v in saved.items() if k not in RUN_CONTROL}
+    values.update({k: v for k, v in given.items() if k in RUN_CONTROL})
+    changes = {}
     for name, new in given.items():
-        if name in RUN_CONTROL:  # how to run this command, taken as given
-            values[name] = new
-            continue
-        if new is None:
+        if name in RUN_CONTROL or new is None:
             continue
         old = saved.get(name)
         if _same(old, new):
@@ -101,7 +101,8 @@ def record_resume(run_dir: str | Path, step: int, checkpoint: str, changes: dict
 
 
 def effective_config(run_dir: str | Path) -> dict[str, Any] | None:
-    """The run's settings as they stand now: ``config.json`` with every recorded resume change applied."""
+    """The run's settings as they stand now: ``config.json`` with every recorded resume change applied (what the
+    next resume continues with, so that ``--steps`` extended once stays extended)."""
     record = saved_record(run_dir)
     if record is None:
         return None
@@ -117,7 +118,9 @@ def effective_config(run_dir: str | Path) -> dict[str, Any] | None:
 def cut_logs(run_dir: str | Path, step: int) -> int:
     """Drop the rows logged after ``step`` (steps redone after a resume); return how many were dropped.
 
-    A line cut short by a kill is dropped too. The file is rewritten through a temporary sibling.
+    A line cut short by a kill is dropped too, and so is a final evaluation logged at ``step`` itself (a row of
+    eval/* alone after the step's own row): the resumed run evaluates again when it ends. The file is rewritten
+    through a temporary sibling.
     """
     dropped = 0
     for name in LOGS:
@@ -131,7 +134,8 @@ def cut_logs(run_dir: str | Path, step: int) -> int:
             except ValueError:
                 dropped += 1
                 continue
-            if row.get("step", 0) <= step:
+            final_eval = row.get("step") == step and step > 0 and all(k == "step" or k.startswith("eval/") for k in row)
+            if row.get("step", 0) <= step and not (final_eval and name == "metrics.jsonl"):
                 kept.append(line)
             else:
                 dropped += 1

@@ -23,7 +23,7 @@ import torch
 from rich.console import Console
 
 from polyrl.batch import TokenBatch, segment_ids
-from polyrl.checkpoint import latest_checkpoint, remove_partial_saves
+from polyrl.checkpoint import latest_checkpoint, remove_partial_saves, set_aside_newer
 from polyrl.config import TrainConfig, to_dict
 from polyrl.errors import RewardError
 from polyrl.guard import make_monitor, roll_back
@@ -92,8 +92,10 @@ def train(cfg: TrainConfig, method: Method, *, model_dir: str, task: Task, run_d
     if resume_from is not None:
         state = _restore(parts, resume_from)
         dropped = cut_logs(run, state.step)  # rows of steps after the checkpoint are redone now
+        aside = set_aside_newer(run, state.step)  # a newer (abandoned or corrupt) branch is never loaded again
         console.print(f"resumed from {resume_from} at step {state.step}"
-                      + (f" ({dropped} logged rows after it dropped)" if dropped else ""))
+                      + (f" ({dropped} logged rows after it dropped)" if dropped else "")
+                      + (f"; newer checkpoints kept as {', '.join(p.name for p in aside)}" if aside else ""))
     logger = RunLogger(run, tensorboard=cfg.tensorboard, wandb=cfg.wandb, console=console,
                        table_every=cfg.log_every, config=to_dict(cfg),
                        history=read_rows(run) if resume_from is not None else None,

@@ -174,3 +174,11 @@ def test_feature_settings_nest_in_their_sections_and_stay_flat_as_flags_and_toml
     toml.write_text('[critic]\nclip = 0.2\n')
     with pytest.raises(ConfigError, match=r"unknown field 'critic.clip'"):
         load_toml(toml)
+
+
+def test_the_likelihood_predictor_is_refused_with_custom_reward_functions(tiny_model, tmp_path):
+    with pytest.raises(ConfigError, match="tree_predictor = 'likelihood' is not allowed"):
+        _resolve(["--model", tiny_model, "--sampler", "tree", "--tree-predictor", "likelihood",
+                  "--reward-funcs", "task,tests.reward_fns:digit_fraction"], tmp_path)
+    _resolve(["--model", tiny_model, "--sampler", "tree", "--tree-predictor", "likelihood", "--reward-funcs", "task"],
+             tmp_path)

@@ -187,3 +187,56 @@ def test_a_composed_method_is_labelled_as_composed(tiny_model, tmp_path, capsys,
     assert _cli([*args, "--steps", "1", "--trust-region", "dppo_tv"], capsys)[0] == 0
     summary = json.loads((tmp_path / "runs" / "grpo+dppo_tv-addition-s0" / "summary.json").read_text())
     assert summary["method"] == "grpo+dppo_tv"
+
+
+def test_a_run_started_with_overwrite_resumes_and_keeps_each_resume_change(tiny_model, tmp_path, capsys):
+    run = tmp_path / "run"
+    assert _cli([*_small(tiny_model, run), "--steps", "2", "--checkpoint-every", "1", "--overwrite"], capsys)[0] == 0
+    code, err = _cli(["train", "--run-dir", str(run), "--resume", "--steps", "4"], capsys)
+    assert code == 0, err
+    # killed after step 3 of the extended run: its step-4 checkpoint and summary are gone
+    shutil.rmtree(run / "checkpoints" / "step_000004")
+    (run / "summary.json").unlink()
+    code, err = _cli(["train", "--run-dir", str(run), "--resume"], capsys)
+    assert code == 0, err
+    assert json.loads((run / "summary.json").read_text())["steps"] == 4  # the extension recorded in the history
+    assert _step_rows(run) == [1, 2, 3, 4]
+
+
+def test_resuming_a_finished_run_logs_its_final_evaluation_once(tiny_model, tmp_path, capsys):
+    run = tmp_path / "run"
+    assert _cli([*_small(tiny_model, run), "--steps", "2"], capsys)[0] == 0
+    assert _cli(["train", "--run-dir", str(run), "--resume"], capsys)[0] == 0
+    final = [r for r in _rows(run) if r["step"] == 2 and all(k == "step" or k.startswith("eval/") for k in r)]
+    assert len(final) == 1
+
+
+def test_a_directory_that_holds_a_run_is_not_reused_without_overwrite(tiny_model, tmp_path, capsys):
+    (tmp_path / "boom.py").write_text("def boom(prompts, completions, **kw):\n    raise RuntimeError('no')\n")
+    run = tmp_path / "run"
+    assert _cli([*_small(tiny_model, run), "--steps", "1", "--reward-funcs", f"{tmp_path / 'boom.py'}:boom"],
+                capsys)[0] == 2  # failed at step 0: a config.json and an evaluation row, no checkpoint
+    code, err = _cli([*_small(tiny_model, run), "--steps", "1"], capsys)
+    assert code == 2 and "already holds a run with no checkpoint" in err and "--overwrite" in err
+    assert _cli([*_small(tiny_model, run), "--steps", "1", "--overwrite"], capsys)[0] == 0
+    assert json.loads((run / "config.json").read_text())["config"]["reward_funcs"] is None
+
+
+def test_a_reward_file_that_fails_to_import_is_one_line(tiny_model, tmp_path, capsys):
+    (tmp_path / "syn.py").write_text("def f(prompts, completions, **kw):\n    return [\n")
+    (tmp_path / "raises.py").write_text("raise RuntimeError('set-up failed')\n")
+    for spec, fragment in ((f"{tmp_path / 'syn.py'}:f", "SyntaxError"), (f"{tmp_path / 'raises.py'}:f",
+                                                                            "RuntimeError: set-up failed")):
+        code, err = _cli([*_small(tiny_model, tmp_path / "run"), "--steps", "1", "--reward-funcs", spec], capsys)
+        assert code == 2 and len(err.splitlines()) == 1 and fragment in err and "cannot import" in err, err
+
+
+def test_resuming_from_an_older_checkpoint_sets_the_newer_branch_aside(tiny_model, tmp_path, capsys):
+    run = tmp_path / "run"
+    assert _cli([*_small(tiny_model, run), "--steps", "3", "--checkpoint-every", "1"], capsys)[0] == 0
+    older = run / "checkpoints" / "step_000002"
+    code, err = _cli(["train", "--run-dir", str(run), "--resume-from", str(older), "--steps", "3"], capsys)
+    assert code == 0, err
+    names = sorted(p.name for p in (run / "checkpoints").iterdir())
+    assert "superseded_step_000003" in names and "step_000003" in names  # the old branch kept, the new one saved
+    assert _step_rows(run) == [1, 2, 3]

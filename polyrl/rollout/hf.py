@@ -13,7 +13,7 @@ only Python work per step is the loop itself and one ``any()`` check.
 
 With an ``AgencyArbiter`` attached (agency transfer), a frozen baseline model decodes alongside with
 its own cache, the arbiter picks each token from the baseline or the learner, and the reported
-log-prob is the mixture's (``rollout/agency.py``).
+log-prob is the mixture's (``rollout/agency/arbiter.py``).
 """
 
 from __future__ import annotations

@@ -35,8 +35,9 @@ def load_callable(spec: str) -> RewardFn:
         raise ValueError(f"reward function {spec!r}: write it as package.module:function or path/file.py:function")
     try:
         module = import_module_or_file(module_name)
-    except ImportError as e:
-        raise ValueError(f"reward function {spec!r}: cannot import {module_name!r} ({e})") from None
+    except Exception as e:  # a missing module, a syntax error or a module that raises while it loads
+        raise ValueError(f"reward function {spec!r}: cannot import {module_name!r} ({type(e).__name__}: "
+                         f"{str(e).splitlines()[0] if str(e) else ''})") from None
     fn = getattr(module, attr, None)
     if not callable(fn):
         raise ValueError(f"reward function {spec!r}: {module_name!r} has no callable {attr!r}")

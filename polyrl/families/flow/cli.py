@@ -1,6 +1,7 @@
 """`polyrl flow train | pretrain | methods`: RL for flow policies from the command line.
 
-``add_flow_parser(subparsers)`` is called by ``polyrl.cli.build_parser``. Bad values raise
+``add_parser(subparsers)`` is the family seam's entry (``polyrl.families.add_parser``, called by the CLI only
+when the command is ``flow``); ``check_train_flags`` serves ``polyrl compare --family flow``. Bad values raise
 ``PartError`` or ``ConfigError`` (one line naming the field, the value and what is allowed; exit 2).
 """
 
