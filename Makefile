@@ -9,12 +9,17 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test lint docs clean
 
+# Run $(2) with a line every 10 s while it works: pip is silent while it unpacks wheels, and a piped log
+# (CI, `make demo > log`) should never look stalled.
+define beat
+( while sleep 10; do echo "make: still installing $(1)"; done ) & beat=$$!; $(2); status=$$?; kill $$beat; exit $$status
+endef
+
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q torch==2.13.0
-	# Not quiet: a first install downloads for minutes and should show it.
-	$(BIN)/python -m pip install --progress-bar off -c constraints.txt -e '.[dev]'
+	$(call beat,pip,$(BIN)/python -m pip install -q --upgrade pip)
+	$(call beat,torch,$(BIN)/python -m pip install -q torch==2.13.0)
+	$(call beat,polyrl and its dependencies,$(BIN)/python -m pip install --progress-bar off -c constraints.txt -e '.[dev]')
 	touch $(STAMP)
 
 demo: $(STAMP)
