@@ -42,13 +42,18 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     add_method_args(p)
 
 
+SINGLE_OVERRIDES = ("advantage", "ratio", "trust_region", "aggregation", "kl", "kl_coef", "kl_placement", "anchor")
+LIST_OVERRIDES = {"correction": "corrections", "shaper": "shapers", "filter": "filters"}  # flag dest -> Method field
+METHOD_OVERRIDES = (*SINGLE_OVERRIDES, *LIST_OVERRIDES)  # every dest of add_method_args
+
+
 def part_changes(overrides: Mapping[str, Any]) -> dict[str, Any]:
     """Part overrides as given on the command line (``add_method_args`` dests) -> ``get_method`` keywords."""
     changes: dict[str, Any] = {}
-    for key in ("advantage", "ratio", "trust_region", "aggregation", "kl", "kl_coef", "kl_placement", "anchor"):
+    for key in SINGLE_OVERRIDES:
         if overrides.get(key) is not None:
             changes[key] = overrides[key]
-    for key, plural in (("correction", "corrections"), ("shaper", "shapers"), ("filter", "filters")):
+    for key, plural in LIST_OVERRIDES.items():
         if overrides.get(key) is not None:
             changes[plural] = [v for v in overrides[key] if v != "none"]
     if changes.get("kl") == "none":
@@ -63,8 +68,6 @@ def method_from_overrides(name: str, overrides: Mapping[str, Any]):
     return get_method(name, **part_changes(overrides))
 
 
-METHOD_OVERRIDES = ("advantage", "ratio", "trust_region", "aggregation", "kl", "kl_coef", "kl_placement", "anchor",
-                    "correction", "shaper", "filter")  # dests of add_method_args
 
 
 @dataclass

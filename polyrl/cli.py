@@ -30,16 +30,6 @@ from polyrl.registry import ALL_REGISTRIES, PartError, unknown
 console = Console() if sys.stdout.isatty() else Console(width=200)
 
 
-def method_changes(args: argparse.Namespace) -> dict[str, Any]:
-    """The part overrides given on the command line, as ``get_method`` keyword arguments."""
-    return part_changes(vars(args))
-
-
-def method_from_args(name: str, args: argparse.Namespace):
-    """Resolve preset ``name`` with the overrides given on the command line (raises PartError)."""
-    return method_from_overrides(name, vars(args))
-
-
 def uses_manifest(args: argparse.Namespace) -> bool:
     """Whether the command can answer from the catalog manifest, without importing the registries (torch).
 
@@ -48,7 +38,7 @@ def uses_manifest(args: argparse.Namespace) -> bool:
     """
     if args.plugin:
         return False
-    return args.command in ("methods", "parts") or (args.command == "explain" and not method_changes(args))
+    return args.command in ("methods", "parts") or (args.command == "explain" and not part_changes(vars(args)))
 
 
 def load_catalog(args: argparse.Namespace) -> dict[str, Any]:
@@ -98,7 +88,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
     else:
         from polyrl.manifest import method_entry
 
-        entry = method_entry(method_from_args(args.name, args))
+        entry = method_entry(method_from_overrides(args.name, vars(args)))
     if args.json:
         print(json.dumps(entry["dict"], indent=2, default=str))
         return 0

@@ -354,7 +354,8 @@ def validate(config: TrainConfig) -> None:
     if cfg.model is not None:
         _rule("model", cfg.model, Path(cfg.model).is_dir(), "must be an existing local model directory")
     if cfg.data_file is not None:
-        _rule("data_file", cfg.data_file, Path(cfg.data_file).is_file(), "must be an existing JSONL, JSON or Parquet file")
+        _rule("data_file", cfg.data_file, Path(cfg.data_file).is_file(),
+              "must be an existing JSONL, JSON or Parquet file")
     _rule("heldout_percent", cfg.heldout_percent, 1 <= cfg.heldout_percent <= 50,
           "must be an integer in [1, 50] (training evaluates on the held-out rows)")
     _rule("heldout_percent", cfg.heldout_percent,
