@@ -14,32 +14,30 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
-import sys
 from pathlib import Path
+
+from _runs import median_of, read_metrics, run_train, step_rows
 
 
 def run(mode: str, args: argparse.Namespace, out: Path, round_: int) -> dict[str, float]:
     run_dir = out / f"{mode}-r{round_}"
-    cmd = [sys.executable, "-m", "polyrl", "train", "--task", args.task, "--method", args.method,
-           "--steps", str(args.steps),
-           "--prompts-per-step", str(args.prompts), "--group-size", str(args.group_size), "--eval-every", "0",
-           "--eval-prompts", "20", "--checkpoint-every", "0", "--no-tensorboard", "--run-dir", str(run_dir),
-           "--overwrite", "--log-every", "0"]
+    flags = ["--task", args.task, "--method", args.method, "--steps", str(args.steps),
+             "--prompts-per-step", str(args.prompts), "--group-size", str(args.group_size), "--eval-every", "0",
+             "--eval-prompts", "20", "--checkpoint-every", "0"]
     if args.model:
-        cmd += ["--model", args.model]
+        flags += ["--model", args.model]
     if args.threads:
-        cmd += ["--threads", str(args.threads)]
+        flags += ["--threads", str(args.threads)]
     if mode == "async":
-        cmd += ["--async-staleness", str(args.staleness)]
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    steps = [r for r in rows if "perf/step_seconds" in r][args.warmup:]
+        flags += ["--async-staleness", str(args.staleness)]
+    run_train(run_dir, flags)
+    rows = read_metrics(run_dir)
+    steps = step_rows(rows, skip=args.warmup)
     return {
-        "median_step_seconds": statistics.median(r["perf/step_seconds"] for r in steps),
-        "median_gen_seconds": statistics.median(r["perf/gen_seconds"] for r in steps),
-        "median_score_seconds": statistics.median(r["perf/score_seconds"] for r in steps),
-        "median_update_seconds": statistics.median(r["perf/update_seconds"] for r in steps),
+        "median_step_seconds": median_of(steps, "perf/step_seconds"),
+        "median_gen_seconds": median_of(steps, "perf/generate_s"),
+        "median_score_seconds": median_of(steps, "perf/score_s"),
+        "median_update_seconds": median_of(steps, "perf/train_s"),
         "staleness_max": max((r.get("async/staleness_max", 0.0) for r in rows), default=0.0),
     }
 

@@ -24,11 +24,13 @@ import json
 import statistics
 from pathlib import Path
 
+from _runs import read_metrics
+
 
 def runs_of(vdir: Path, quiet: bool) -> list[dict[str, float]]:
     runs = []
     for sdir in sorted(p for p in vdir.iterdir() if (p / "summary.json").exists()):
-        rows = [json.loads(line) for line in (sdir / "metrics.jsonl").read_text().splitlines()]
+        rows = read_metrics(sdir)
         steps = [r for r in rows if "rollout/utilization" in r]
         summary = json.loads((sdir / "summary.json").read_text())
         run = {"utilization": statistics.mean(r["rollout/utilization"] for r in steps),

@@ -22,6 +22,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from _runs import read_metrics, step_rows
 from rich.console import Console
 
 
@@ -37,16 +38,15 @@ def run_polyrl(model: str, steps: int, warmup: int, threads: int, beta: float) -
         method = get_method("grpo", kl_coef=beta) if beta > 0 else get_method("grpo", kl=None, kl_coef=0.0)
         train(cfg, method, model_dir=model, task=get_task("addition"), run_dir=run_dir,
               console=Console(file=io.StringIO()))
-        rows = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
-    timed = [r for r in rows if "perf/step_seconds" in r][warmup:]
+        timed = step_rows(read_metrics(Path(run_dir)), skip=warmup)
     mean = lambda key: sum(r[key] for r in timed) / len(timed)  # noqa: E731
     sec = mean("perf/step_seconds")
     return {
         "polyrl_seconds_per_step": sec,
         "polyrl_rollouts_per_second": 64 / sec,
-        "polyrl_gen_seconds": mean("perf/gen_seconds"),
-        "polyrl_score_seconds": mean("perf/score_seconds"),
-        "polyrl_update_seconds": mean("perf/update_seconds"),
+        "polyrl_gen_seconds": mean("perf/generate_s"),
+        "polyrl_score_seconds": mean("perf/score_s"),
+        "polyrl_update_seconds": mean("perf/train_s"),
         "polyrl_gen_tokens_per_second": mean("perf/gen_tokens_per_second"),
         "polyrl_train_tokens_per_second": mean("perf/train_tokens_per_second"),
         "steps_timed": len(timed),

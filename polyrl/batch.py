@@ -108,7 +108,7 @@ def logprobs_nograd(model: nn.Module, batch: TokenBatch, *, micro_batch_size: in
 
 
 def sample_ref_logp(samples: list[Sample], T: int) -> Tensor | None:
-    """[B, T] reference log-probs carried by the samples (the asynchronous pipeline's), or None if one lacks them."""
+    """[B, T] reference log-probs carried by the samples (scored by the rollout workers), or None if one lacks them."""
     if not samples or any(s.ref_logprobs is None or len(s.ref_logprobs) != len(s.completion_token_ids)
                           for s in samples):
         return None

@@ -125,6 +125,7 @@ def resolve_train(args: argparse.Namespace) -> TrainPlan:
         if not any((Path(cfg.model) / f).is_file() for f in TOKENIZER_FILES):
             raise ConfigError(f"model = {cfg.model!r} has no tokenizer ({' or '.join(TOKENIZER_FILES)})")
     from polyrl.checkpoint import latest_checkpoint, resume_checkpoint
+    from polyrl.launch import world
 
     if cfg.resume and cfg.overwrite:
         raise ConfigError("resume = true and overwrite = true contradict each other; choose one")
@@ -132,6 +133,8 @@ def resolve_train(args: argparse.Namespace) -> TrainPlan:
     if cfg.resume:
         checkpoint, meta = resume_checkpoint(run_dir, cfg.resume_from)
         cfg.resume_from, plan.resume_step = str(checkpoint), int(meta["step"])
+    elif world()[0] != 0:  # ranks > 0 of a multi-process run leave the run directory to rank 0
+        pass
     elif cfg.overwrite:
         shutil.rmtree(run_dir, ignore_errors=True)
     elif latest_checkpoint(run_dir) is not None:
@@ -220,16 +223,23 @@ class Components:
     pad_id: int
     boundaries: frozenset[int]  # token ids that end a sub-sentence (segment ids for SSPO)
     topk: int  # top-K support size when the trust region reads it, else 0
+    writes: bool = True  # this process writes the run directory (rank 0 of several)
 
 
 def build_components(cfg: TrainConfig, method, task, model_dir: str) -> Components:
-    """Load the policy and build the learner, the rollout source and the evaluator that ``cfg`` asks for."""
+    """Load the policy and build the learner, the rollout source and the evaluator that ``cfg`` asks for.
+
+    Under several processes (``--nproc``, torchrun) the learner is FSDP2's and the source and evaluator live on
+    rank 0, which generates with its own full copy of the policy (``polyrl.ranks``).
+    """
     import copy
 
     from polyrl.batch import boundary_token_ids
     from polyrl.evaluation import Evaluator
-    from polyrl.learner.local import LocalLearner, ValueHead
+    from polyrl.learner.dist import device, init_from_env
+    from polyrl.learner.local import ValueHead
     from polyrl.model import load_policy
+    from polyrl.ranks import RankEvaluator, RankSource
     from polyrl.rollout.agency.arbiter import AgencyArbiter, AgencySource
     from polyrl.rollout.agency.config import parse_schedule
     from polyrl.rollout.episodes import EpisodeRunner
@@ -237,54 +247,89 @@ def build_components(cfg: TrainConfig, method, task, model_dir: str) -> Componen
     from polyrl.rollout.hf import HFGenerator
     from polyrl.tasks.rewards import RewardChannels, parse_reward_specs
 
+    ranks = init_from_env()  # (rank, world size) under torchrun / --nproc; None in one process
+    if ranks is not None and cfg.sampler == "tree" and cfg.tree.predictor == "likelihood":
+        raise ConfigError("tree_predictor = 'likelihood' scores with the learner on rank 0 alone, which a sharded "
+                          "learner cannot do; use history or shared with several processes")
     rewards = RewardChannels(task, *parse_reward_specs(cfg.reward_funcs, cfg.reward_weights))
     policy, tokenizer = load_policy(model_dir, dtype=cfg.dtype, threads=_trainer_threads(cfg))
     # The reference is a frozen copy of the starting model (synced to the policy by Humanline presets).
     reference = copy.deepcopy(policy).eval().requires_grad_(False) if method.needs_ref else None
     critic = ValueHead(copy.deepcopy(policy)) if method.needs_values else None
-    learner = LocalLearner(policy, lr=cfg.lr, weight_decay=cfg.weight_decay, warmup_steps=cfg.warmup_steps,
-                           max_grad_norm=cfg.max_grad_norm, temperature=cfg.temperature, top_p=cfg.top_p,
-                           top_k=cfg.top_k, fp32_head=cfg.fp32_lm_head, micro_batch_size=cfg.micro_batch_size,
-                           reference=reference, ref_sync_every=method.ref_sync_every, critic=critic,
-                           critic_lr=cfg.critic.lr, value_clip=cfg.critic.value_clip)
-    # The sampler shares the policy module, so its weights are always current (no push needed in-process).
-    generator = HFGenerator(policy, tokenizer, fp32_head=cfg.fp32_lm_head)
+    # In one process the sampler shares the policy module, so its weights are always current; a sharded learner
+    # leaves rank 0 a full copy of its own, refreshed after every update (EpisodeRunner own_weights).
+    sampler_model = policy if ranks is None else copy.deepcopy(policy).to(device())
+    learner = _learner(cfg, method, policy, reference, critic, sharded=ranks is not None)
+    generator = HFGenerator(sampler_model, tokenizer, fp32_head=cfg.fp32_lm_head)
+    parts = dict(learner=learner, pad_id=generator.pad_id, boundaries=boundary_token_ids(tokenizer),
+                 topk=TOPK if method.needs_topk else 0)
+    if ranks is not None and ranks[0] != 0:
+        return Components(source=RankSource(None), evaluate=RankEvaluator(None), writes=False, **parts)
     arbiter = None
     if cfg.agency.baseline is not None:  # agency transfer: a frozen baseline acts first, the learner takes over
         baseline, _ = load_policy(cfg.agency.baseline, dtype=cfg.dtype)
         arbiter = generator.arbiter = AgencyArbiter(baseline, parse_schedule(cfg.agency.schedule),
                                                     mode=cfg.agency.mode)
-    runner = EpisodeRunner(generator, tokenizer, task)
+    runner = EpisodeRunner(generator, tokenizer, task, own_weights=ranks is not None)
     evaluate = Evaluator(runner, task, task.prompts("test", cfg.eval_prompts, seed=0), cfg.max_new_tokens, arbiter)
 
     def sampling(step: int) -> SamplingParams:
         return SamplingParams(n=cfg.group_size, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
                               top_p=cfg.top_p, top_k=cfg.top_k or None, seed=cfg.seed * 1_000_003 + step)
 
+    sampler = _rollout_runner(cfg, method, learner, runner, arbiter, model_dir)  # the evaluator keeps `runner`
     if cfg.sampler == "tree":
-        source = _tree_source(cfg, learner, generator, runner, rewards, sampling, tokenizer)
+        source = _tree_source(cfg, learner, generator, sampler, rewards, sampling, tokenizer)
     else:
-        source = _group_source(cfg, method, learner, runner, rewards, sampling, model_dir)
+        source = _group_source(cfg, sampler, rewards, sampling)
     if arbiter is not None:
         source = AgencySource(source, arbiter)
-    return Components(learner=learner, source=source, evaluate=evaluate, pad_id=generator.pad_id,
-                      boundaries=boundary_token_ids(tokenizer), topk=TOPK if method.needs_topk else 0)
+    if ranks is not None:
+        source, evaluate = RankSource(source), RankEvaluator(evaluate)
+    return Components(source=source, evaluate=evaluate, **parts)
 
 
-def _group_source(cfg: TrainConfig, method, learner, runner, rewards, sampling, model_dir: str):
+def _learner(cfg: TrainConfig, method, policy, reference, critic, *, sharded: bool):
+    """The one-process learner, or FSDP2's over the process group (same settings, same results)."""
+    from polyrl.learner.fsdp import FSDPLearner
+    from polyrl.learner.local import LocalLearner
+
+    return (FSDPLearner if sharded else LocalLearner)(
+        policy, lr=cfg.lr, weight_decay=cfg.weight_decay, warmup_steps=cfg.warmup_steps,
+        max_grad_norm=cfg.max_grad_norm, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+        fp32_head=cfg.fp32_lm_head, micro_batch_size=cfg.micro_batch_size, reference=reference,
+        ref_sync_every=method.ref_sync_every, critic=critic, critic_lr=cfg.critic.lr,
+        value_clip=cfg.critic.value_clip)
+
+
+def _group_source(cfg: TrainConfig, runner, rewards, sampling):
     from polyrl.rollout.group import GroupSource
-    from polyrl.rollout.pipeline import AsyncPipeline
 
-    def start_prefetch(version: int) -> AsyncPipeline:  # with the weights of the step it starts at (resume)
-        return AsyncPipeline(model_dir, task_name=cfg.task, data_file=cfg.data_file,
-                             heldout_percent=cfg.heldout_percent, staleness=cfg.prefetch.staleness, dtype=cfg.dtype,
-                             fp32_head=cfg.fp32_lm_head, threads=_generator_threads(cfg), weights=learner.weights(),
-                             version=version, reference=method.needs_ref and not method.ref_sync_every,
-                             micro_batch_size=cfg.micro_batch_size, **learner.sampling)
+    prefetch = None
+    if cfg.prefetch.staleness:  # the rollout workers generate the next k steps' batches while the trainer trains
+        from polyrl.rollout.remote.prefetch import Prefetch
 
+        prefetch = Prefetch(runner, cfg.prefetch.staleness)
     return GroupSource(runner, rewards, num_groups=cfg.prompts_per_step, sampling=sampling,
-                       max_rounds=cfg.max_gen_rounds, steps=cfg.steps,
-                       start_prefetch=start_prefetch if cfg.prefetch.staleness else None)
+                       max_rounds=cfg.max_gen_rounds, steps=cfg.steps, prefetch=prefetch)
+
+
+def _rollout_runner(cfg: TrainConfig, method, learner, local, arbiter, model_dir: str):
+    """The runner sources sample with: ``local`` (this process), or Ray rollout workers when asked for."""
+    actors = cfg.rollout.actors(cfg.prefetch.staleness)
+    if not actors:
+        return local
+    from polyrl.rollout.remote import RemoteRunner, WorkerPool, WorkerSpec
+
+    # A frozen reference scores each batch where it was generated, off the trainer's critical path (a reference
+    # that follows the policy stays with the learner).
+    spec = WorkerSpec(model_dir, local.task, dtype=cfg.dtype, fp32_head=cfg.fp32_lm_head,
+                      threads=_generator_threads(cfg), baseline_dir=cfg.agency.baseline, agency_mode=cfg.agency.mode,
+                      reference=method.needs_ref and not method.ref_sync_every,
+                      logprob_kwargs=dict(micro_batch_size=cfg.micro_batch_size, **learner.sampling))
+    pool = WorkerPool(spec, workers=actors, address=cfg.rollout.ray_address, cpus=cfg.rollout.ray_cpus,
+                      gpus_per_worker=cfg.rollout.worker_gpus, weights=local.generator.model.state_dict)
+    return RemoteRunner(local, pool, arbiter)
 
 
 def _tree_source(cfg: TrainConfig, learner, generator, runner, rewards, sampling, tokenizer):
@@ -294,7 +339,7 @@ def _tree_source(cfg: TrainConfig, learner, generator, runner, rewards, sampling
 
     tree = cfg.tree
     kind = tree.predictor
-    embed = prompt_embedder(learner.model, tokenizer) if kind == "shared" else None
+    embed = prompt_embedder(generator.model, tokenizer) if kind == "shared" else None  # the policy's weights
     exact = answer_likelihood(learner, generator, cfg.max_new_tokens) if kind == "likelihood" else None
     sampler = TreeSampler(runner, {}, root_frac=tree.root_frac, roots=tree.roots, candidate_factor=tree.candidates,
                           prune=tree.prune, branch=tree.branch, half_life=tree.half_life, max_group=tree.max_group,
@@ -303,16 +348,25 @@ def _tree_source(cfg: TrainConfig, learner, generator, runner, rewards, sampling
     return TreeSource(sampler, rewards, num_groups=cfg.prompts_per_step, sampling=sampling)
 
 
-def _generator_threads(cfg: TrainConfig) -> int:
-    """Threads of the asynchronous generation process: half the cores (the trainer keeps the rest)."""
+def _cores(cfg: TrainConfig) -> int:
     import os
 
-    return max(1, (cfg.threads or os.cpu_count() or 1) // 2)
+    return cfg.threads or os.cpu_count() or 1
+
+
+def _generator_threads(cfg: TrainConfig) -> int:
+    """Threads of each rollout worker: the cores shared by the workers; half of them when they generate while
+    the trainer trains (asynchronous), all of them when the trainer waits for them (synchronous)."""
+    actors = cfg.rollout.actors(cfg.prefetch.staleness)
+    cores = _cores(cfg) // 2 if cfg.prefetch.staleness else _cores(cfg)
+    return max(1, cores // max(1, actors))
 
 
 def _trainer_threads(cfg: TrainConfig) -> int | None:
-    import os
+    """Threads of each training process: the cores left by asynchronous workers, shared by the ranks."""
+    from polyrl.launch import world
 
+    ranks = world()[1]
     if cfg.prefetch.staleness:
-        return max(1, (cfg.threads or os.cpu_count() or 1) - _generator_threads(cfg))
-    return cfg.threads or None
+        return max(1, (_cores(cfg) - _cores(cfg) // 2) // ranks)
+    return max(1, _cores(cfg) // ranks) if ranks > 1 else cfg.threads or None

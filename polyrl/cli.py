@@ -168,12 +168,31 @@ def cmd_warmstart(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    from polyrl.checkpoint import verify_checkpoint
+    from polyrl.learner.sharded import export_hf
+    from polyrl.runs import saved_record
+
+    checkpoint = Path(args.checkpoint)
+    verify_checkpoint(checkpoint)  # one line for a missing or corrupt checkpoint
+    model = args.model or (saved_record(str(checkpoint.parent.parent)) or {}).get("config", {}).get("model")
+    if model is None:
+        raise ConfigError(f"checkpoint {checkpoint}: its run has no config.json naming the model; pass --model DIR")
+    out = export_hf(checkpoint, args.out, model)
+    console.print(f"exported {checkpoint} to {out} (load it with from_pretrained)")
+    return 0
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     from polyrl.catalog import method_dict
     from polyrl.config import to_dict
+    from polyrl.launch import relaunch, under_launcher, world
     from polyrl.runs import record_resume, write_record
     from polyrl.trainer import train
 
+    global console
+    if world()[0] != 0:  # one rank of several speaks and writes the run directory: rank 0
+        console = Console(quiet=True)
     plan = resolve_train(args)
     for note in plan.notes:
         console.print(note)
@@ -185,6 +204,11 @@ def cmd_train(args: argparse.Namespace) -> int:
         cfg.model = ws.path
         console.print(f"warm start: {cfg.model} ({'cached' if ws.cached else f'{ws.seconds:.0f} s'}, "
                       f"accuracy {ws.accuracy:.3f})")
+    if cfg.dist.nproc > 1 and not under_launcher():  # the same command as N ranks (torch.distributed.run)
+        console.print(f"starting {cfg.dist.nproc} training processes (FSDP2)")
+        return relaunch(cfg.dist.nproc, [*args.argv, "--model", cfg.model])
+    if world()[0] != 0:
+        return 0 if train(cfg, method, model_dir=cfg.model, task=task, run_dir=run_dir, console=console) else 1
     Path(run_dir).mkdir(parents=True, exist_ok=True)
     if cfg.resume:
         record_resume(run_dir, plan.resume_step, cfg.resume_from, plan.changes)
@@ -333,6 +357,13 @@ def build_parser(*, family: str | None = None) -> OneLineParser:
     add_train_args(p)
     p.set_defaults(fn=cmd_train)
 
+    p = sub.add_parser("export", help="write a checkpoint's policy as a plain Hugging Face directory")
+    p.add_argument("checkpoint", help="a checkpoint directory: RUN_DIR/checkpoints/step_XXXXXX (either layout)")
+    p.add_argument("out", help="the directory to write (config, tokenizer, model.safetensors)")
+    p.add_argument("--model", default=None,
+                   help="the run's starting model directory (config and tokenizer); default: the run's config.json")
+    p.set_defaults(fn=cmd_export)
+
     p = sub.add_parser("compare", help="run methods x seeds on one task and report stability and efficiency",
                        description="Any other option is passed to every `polyrl train` run (e.g. --steps 150 "
                                    "--epochs-per-batch 4 --lr 3e-4).")
@@ -390,6 +421,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
+    args.argv = argv  # `polyrl train --nproc N` runs the same command in N processes
     from polyrl.families import FAMILIES
 
     if args.command in FAMILIES:  # its real parser may import torch, so it is built only now

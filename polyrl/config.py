@@ -2,7 +2,8 @@
 
 ``TrainConfig`` holds the core settings and nests each feature's own dataclass: ``tree``
 (``rollout/tree/config.py``), ``agency`` (``rollout/agency/config.py``), ``prefetch``
-(``rollout/source.py``), ``critic`` (``learner/config.py``) and ``guard`` (``guard.py``). Users name
+(``rollout/source.py``), ``rollout`` (Ray rollout workers, ``rollout/remote/config.py``), ``dist``
+(training processes, ``launch.py``), ``critic`` (``learner/config.py``) and ``guard`` (``guard.py``). Users name
 every setting flat: ``--tree-roots`` / ``tree_roots`` is ``cfg.tree.roots``, and a feature's own switch
 keeps its name (``--agency DIR``, ``--guard``). ``settings`` lists them; ``add_config_args`` turns them
 into flags (help text = the field's docstring), ``load_toml`` reads a file of flat keys or feature tables
@@ -28,8 +29,10 @@ from pathlib import Path
 from typing import Any, Literal, NamedTuple
 
 from polyrl.guard import GuardConfig
+from polyrl.launch import DistConfig
 from polyrl.learner.config import CriticConfig
 from polyrl.rollout.agency.config import AgencyConfig
+from polyrl.rollout.remote.config import WorkersConfig
 from polyrl.rollout.source import PrefetchConfig
 from polyrl.rollout.tree.config import TreeConfig
 
@@ -99,6 +102,10 @@ class TrainConfig:
     """agency transfer: flags --agency DIR, --agency-*, TOML table [agency]"""
     prefetch: PrefetchConfig = field(default_factory=PrefetchConfig)
     """asynchronous generation: flag --async-staleness, TOML table [async]"""
+    rollout: WorkersConfig = field(default_factory=WorkersConfig)
+    """Ray rollout workers: flags --rollout-workers, --ray-address, --ray-cpus, --rollout-worker-gpus, TOML [rollout]"""
+    dist: DistConfig = field(default_factory=DistConfig)
+    """training processes (FSDP2): flag --nproc, TOML table [dist]"""
     critic: CriticConfig = field(default_factory=CriticConfig)
     """the critic of GAE presets: flags --critic-lr, --value-clip, TOML table [critic]"""
     eval_every: int = 25
@@ -314,9 +321,22 @@ def validate(config: TrainConfig) -> None:
         _rule("async_staleness", cfg.async_staleness, cfg.sampler == "uniform",
               f"needs sampler = 'uniform' (got sampler = {cfg.sampler!r})")
         _rule("async_staleness", cfg.async_staleness, not cfg.guard,
-              "does not combine with --guard (a rollback would send the generation process older weights)")
+              "does not combine with --guard (batches prefetched before a rollback were sampled by the collapsed "
+              "policy)")
         _rule("async_staleness", cfg.async_staleness, cfg.agency is None,
-              "does not combine with agency transfer (the baseline would have to live in the generation process)")
+              "does not combine with agency transfer (a prefetched batch would mix at an earlier step's beta)")
+    _rule("rollout_workers", cfg.rollout_workers, cfg.rollout_workers >= 0, "must be an integer >= 0")
+    _rule("ray_cpus", cfg.ray_cpus, cfg.ray_cpus >= 0, "must be an integer >= 0 (0 = the machine's cores)")
+    _rule("rollout_worker_gpus", cfg.rollout_worker_gpus, cfg.rollout_worker_gpus >= 0, "must be >= 0")
+    for name in ("ray_address", "ray_cpus", "rollout_worker_gpus"):
+        _rule(name, getattr(cfg, name), cfg.rollout_workers or cfg.async_staleness
+              or getattr(cfg, name) == getattr(default, name),
+              "only applies with Ray rollout workers (add --rollout-workers N or --async-staleness k)")
+    _rule("ray_cpus", cfg.ray_cpus, not cfg.ray_cpus or cfg.ray_address is None,
+          "sizes the local Ray instance polyrl starts; a cluster joined with --ray-address has its own")
+    _rule("nproc", cfg.nproc, cfg.nproc >= 1, "must be an integer >= 1")
+    _rule("nproc", cfg.nproc, cfg.nproc == 1 or not cfg.guard,
+          "does not combine with --guard (the guard's rollback runs in one process)")
     if cfg.sampler == "tree":
         _rule("sampler", cfg.sampler, cfg.group_size >= 2, "'tree' needs group_size >= 2")
     # settings of a feature that is off would be silently ignored: refuse them

@@ -62,16 +62,21 @@ class RunLogger:
         config: Mapping[str, Any] | None = None,
         history: list[dict[str, float]] | None = None,
         purge_step: int | None = None,
+        enabled: bool = True,
     ):
         """``history``: rows already in ``metrics.jsonl`` (a resumed run); ``purge_step``: TensorBoard hides the
-        events of this step and later that an earlier, killed attempt wrote (they are being redone)."""
+        events of this step and later that an earlier, killed attempt wrote (they are being redone).
+        ``enabled=False`` (a training process other than rank 0): keep the history, write and print nothing."""
+        self.enabled = enabled
+        self.history: list[dict[str, float]] = list(history or [])
+        if not enabled:
+            return
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.console = console or Console()
         self.table_every = table_every
         self._jsonl = open(self.run_dir / "metrics.jsonl", "a")
         self._rows: list[dict[str, Any]] = []
-        self.history: list[dict[str, float]] = list(history or [])
         self._tb = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
@@ -91,6 +96,8 @@ class RunLogger:
             if f is not None:
                 row[k] = f
         self.history.append(row)
+        if not self.enabled:
+            return
         self._jsonl.write(json.dumps(row) + "\n")
         self._jsonl.flush()
         if self._tb is not None:
@@ -118,11 +125,15 @@ class RunLogger:
 
     def samples(self, step: int, samples: list[dict[str, Any]]) -> None:
         """Append example completions (prompt, completion, reward) to ``samples.jsonl``."""
+        if not self.enabled:
+            return
         with open(self.run_dir / "samples.jsonl", "a") as f:
             for s in samples:
                 f.write(json.dumps({"step": step, **s}) + "\n")
 
     def close(self) -> None:
+        if not self.enabled:
+            return
         self.print_table()
         self._jsonl.close()
         if self._tb is not None:

@@ -3,7 +3,7 @@
 ``config.json`` is written once, when a run starts, and never overwritten: it is the record of the
 run's own settings. ``polyrl train --run-dir X --resume`` continues with exactly those; a flag given
 with ``--resume`` that differs from the saved value is refused with one line naming both values,
-except the few in ``RESUME_MAY_CHANGE`` (extending a run, logging cadence, threads), whose changes are
+except the few in ``RESUME_MAY_CHANGE`` (extending a run, logging cadence, threads, where it runs), whose changes are
 appended to ``config_history.jsonl`` with the step they took effect at. After a kill, the logs hold
 steps that the checkpoint does not: ``cut_logs`` drops them, so no step appears twice.
 """
@@ -21,9 +21,10 @@ CONFIG = "config.json"
 HISTORY = "config_history.jsonl"
 LOGS = ("metrics.jsonl", "samples.jsonl")  # JSON lines with a "step" key
 
-# Settings a resume may change: they extend the run or change how it is watched, not what it computes.
+# Settings a resume may change: they extend the run, change how it is watched or where it runs (processes, rollout
+# workers: batches and gradients do not depend on them), not what it computes.
 RESUME_MAY_CHANGE = ("steps", "eval_every", "checkpoint_every", "log_every", "threads", "tensorboard", "wandb",
-                     "max_bad_steps")
+                     "max_bad_steps", "nproc", "rollout_workers", "ray_address", "ray_cpus", "rollout_worker_gpus")
 # Run control, not settings: never compared.
 RUN_CONTROL = ("resume", "resume_from", "overwrite", "run_dir")
 

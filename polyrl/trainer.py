@@ -73,6 +73,7 @@ def _restore(parts: Components, path: Path) -> TrainState:
     legacy = {k: saved.pop(k) for k in ("history", "pass_counts") if k in saved}  # checkpoints before sources
     state = TrainState(**saved)
     parts.source.load_state_dict(state.source if state.source is not None else legacy)
+    parts.source.after_update(parts.learner.weights, state.step)  # generators elsewhere sample with these now
     return state
 
 
@@ -81,25 +82,26 @@ def train(cfg: TrainConfig, method: Method, *, model_dir: str, task: Task, run_d
     """Run RL training as configured; return the summary also written to ``run_dir/summary.json``."""
     from polyrl.build import build_components
 
-    console = console or Console()
     _seed_everything(cfg.seed)
     parts = build_components(cfg, method, task, model_dir)
+    console = (console or Console()) if parts.writes else Console(quiet=True)  # one process of several speaks
     stream = PromptStream.of(task, cfg.seed, cfg.train_prompts or 100_000)
     run = Path(run_dir)
     state = TrainState()
-    remove_partial_saves(run)  # .tmp_step_* of a save that was killed
     resume_from = Path(cfg.resume_from) if cfg.resume_from else latest_checkpoint(run) if cfg.resume else None
+    if parts.writes:
+        remove_partial_saves(run)  # .tmp_step_* of a save that was killed
     if resume_from is not None:
         state = _restore(parts, resume_from)
-        dropped = cut_logs(run, state.step)  # rows of steps after the checkpoint are redone now
-        aside = set_aside_newer(run, state.step)  # a newer (abandoned or corrupt) branch is never loaded again
+        dropped = cut_logs(run, state.step) if parts.writes else 0  # rows after the checkpoint are redone now
+        aside = set_aside_newer(run, state.step) if parts.writes else []  # a newer branch is never loaded again
         console.print(f"resumed from {resume_from} at step {state.step}"
                       + (f" ({dropped} logged rows after it dropped)" if dropped else "")
                       + (f"; newer checkpoints kept as {', '.join(p.name for p in aside)}" if aside else ""))
     logger = RunLogger(run, tensorboard=cfg.tensorboard, wandb=cfg.wandb, console=console,
                        table_every=cfg.log_every, config=to_dict(cfg),
                        history=read_rows(run) if resume_from is not None else None,
-                       purge_step=state.step + 1 if resume_from is not None else None)
+                       purge_step=state.step + 1 if resume_from is not None else None, enabled=parts.writes)
     if state.eval_before is None:
         first, state.solved_before = parts.evaluate(state.step)
         state.eval_before = first["eval/accuracy"]
@@ -159,8 +161,9 @@ def train(cfg: TrainConfig, method: Method, *, model_dir: str, task: Task, run_d
         "rollouts_per_second": rollouts / max(step_seconds, 1e-9),
         "skipped_steps": state.skipped_total, "peak_rss_mb": peak_rss_mb(),
     }
-    write_summary(run, summary)
-    plot_curves(logger.history, run / "curves.png")
+    if parts.writes:
+        write_summary(run, summary)
+        plot_curves(logger.history, run / "curves.png")
     return summary
 
 
@@ -214,8 +217,8 @@ def rl_step(cfg: TrainConfig, method: Method, state: TrainState, parts: Componen
     t_end = time.perf_counter()
     gen_tokens = float(batch.lengths.sum())
     train_tokens = float(tb.attention_mask.sum()) * cfg.epochs_per_batch
-    metrics.update({"perf/gen_seconds": t_gen - t_start, "perf/score_seconds": t_score - t_gen,
-                    "perf/update_seconds": t_end - t_score,
+    metrics.update({"perf/generate_s": t_gen - t_start, "perf/score_s": t_score - t_gen,
+                    "perf/train_s": t_end - t_score,
                     "perf/gen_tokens_per_second": gen_tokens / (t_gen - t_start),
                     "perf/train_tokens_per_second": train_tokens / max(t_end - t_gen, 1e-9)})
     state.last_samples = [{"prompt": p.text, "completion": s.text, "reward": float(r)}

@@ -3,6 +3,11 @@
 One optimizer step per minibatch, each with its own global Normalizer computed before the
 micro-batch loop, so splitting into micro-batches never changes the loss or the gradient. A
 non-finite loss or gradient skips the optimizer step; ``max_bad_steps`` in a row stop the run.
+
+Data parallelism (``learner.fsdp``): every rank holds the whole batch and runs the micro-batches that
+``learner.shard`` gives it (None: a pass with zero weight, so every rank runs as many passes); what the
+ranks counted (metrics, micro-batches, zero-gradient tokens, a non-finite loss, reused log-probs) is
+added up with ``learner.all_sum``. In one process both are trivial and nothing changes.
 """
 
 from __future__ import annotations
@@ -52,7 +57,8 @@ def update_policy(learner: Learner, method: Method, s: Scored, counters: UpdateC
     """Run the optimizer steps on one scored batch; return averaged objective/*, perf/* and critic/* metrics.
 
     With ``reuse_old`` (one optimizer step per batch) the policy has not moved when the loss is computed,
-    so the update's own detached log-probs serve as pi_old (TRL does the same).
+    so the update's own detached log-probs serve as pi_old (TRL does the same); across ranks each
+    rank fills the rows it ran and the rows are summed, so every rank ends with the full ``s.old_logp``.
     """
     tb, mask = s.tb, s.mask
     B = tb.input_ids.shape[0]
@@ -61,13 +67,17 @@ def update_policy(learner: Learner, method: Method, s: Scored, counters: UpdateC
     n_micro = n_steps = 0
     zero_grad_counts = torch.zeros(2, 4)
     step_gen = torch.Generator().manual_seed(seed)
+    own = _OwnRows(s.old_logp) if reuse_old else None  # the rows this rank computed (reuse_old)
     for _epoch in range(epochs):
         order = torch.randperm(B, generator=step_gen) if minibatches > 1 else torch.arange(B)
         for mb in order.chunk(minibatches):
             norm = Normalizer.from_batch(mask[mb], s.group_ids[mb], horizon=horizon)
             group_tokens = group_token_counts(mask[mb], s.group_ids[mb])
             finite = True
-            for micro in torch.arange(len(mb)).split(micro_batch_size):
+            micro_batches = torch.arange(len(mb)).split(micro_batch_size)
+            for index in learner.shard(len(micro_batches)):
+                real = index is not None  # else a zero-weight pass that keeps the ranks in lockstep
+                micro = micro_batches[index if real else 0]
                 rows = mb[micro]
                 cur = learner.logprobs(tb.rows(rows), grad=True, topk=topk)
                 if reuse_old:
@@ -76,6 +86,8 @@ def update_policy(learner: Learner, method: Method, s: Scored, counters: UpdateC
                         if s.old_topk is None:
                             s.old_topk = cur.topk_logp.new_zeros((B, *cur.topk_logp.shape[1:]))
                         s.old_topk[rows] = cur.topk_logp.detach()
+                    if real:
+                        own.record(rows, cur.logp, cur.topk_logp)
                 old_topk = None if s.old_topk is None else s.old_topk[rows]
                 inputs = LossInputs(
                     logp=cur.logp, old_logp=s.old_logp[rows], adv=s.adv[rows], mask=mask[rows], normalizer=norm,
@@ -86,14 +98,16 @@ def update_policy(learner: Learner, method: Method, s: Scored, counters: UpdateC
                     sample_weight=None if s.sample_weight is None else s.sample_weight[rows],
                 )
                 out = policy_loss(inputs, method)
-                if not torch.isfinite(out.loss):
+                if learner.all_sum(torch.tensor([float(not torch.isfinite(out.loss))])) > 0:  # on any rank
                     finite = False
                     break
-                zero_grad_counts += zero_grad_by_quarter(out.surrogate, cur.logp, mask[rows], s.adv[rows])
-                learner.backward(out.loss)
-                n_micro += 1
+                zeros = zero_grad_by_quarter(out.surrogate, cur.logp, mask[rows], s.adv[rows])
+                learner.backward(out.loss if real else out.loss * 0.0)
+                if real:
+                    zero_grad_counts += zeros
+                    n_micro += 1
                 for k, v in {**out.metrics, "objective/loss": out.loss.detach()}.items():
-                    micro_sums[k] = micro_sums.get(k, 0.0) + float(v)
+                    micro_sums[k] = micro_sums.get(k, 0.0) + (float(v) if real else 0.0)
             grad_norm = learner.step() if finite else float("nan")  # a non-finite norm skips the update too
             if not math.isfinite(grad_norm):  # skip the step, count it, stop when it keeps happening
                 learner.skip_step()
@@ -109,9 +123,41 @@ def update_policy(learner: Learner, method: Method, s: Scored, counters: UpdateC
             if s.returns is not None:  # a critic preset: its value loss takes a step with each policy step
                 for k, v in learner.critic_step(tb.rows(mb), s.values[mb], s.returns[mb]).items():
                     step_sums[k] = step_sums.get(k, 0.0) + v
+    if own is not None:
+        own.merge(learner, s)
+    keys = sorted(micro_sums)  # the same on every rank: each ran the same passes of the same method
+    totals = learner.all_sum(torch.tensor([*(micro_sums[k] for k in keys), n_micro], dtype=torch.float64))
+    summed = dict(zip(keys, totals[:-1].tolist()))
+    micro_sums, n_micro = {k: summed[k] for k in micro_sums}, int(totals[-1])
+    zero_grad_counts = learner.all_sum(zero_grad_counts)
     metrics = {k: v / max(1, n_micro) for k, v in micro_sums.items()}
     metrics.update({k: v / max(1, n_steps) for k, v in step_sums.items()})
     for q in range(4):
         if zero_grad_counts[1, q] > 0:
             metrics[f"position/zero_grad_frac_q{q + 1}"] = float(zero_grad_counts[0, q] / zero_grad_counts[1, q])
     return metrics
+
+
+class _OwnRows:
+    """The rows of pi_old (and its top-K) one rank computed in a ``reuse_old`` update, summed over ranks at the end:
+    every row is computed by exactly one rank, so the sum is the full tensor on every rank."""
+
+    def __init__(self, old_logp: Tensor):
+        self.logp = torch.zeros_like(old_logp)
+        self.topk: Tensor | None = None
+        self.done = torch.zeros(old_logp.shape[0], dtype=old_logp.dtype)
+
+    def record(self, rows: Tensor, logp: Tensor, topk_logp: Tensor | None) -> None:
+        self.logp[rows] = logp.detach()
+        if topk_logp is not None:
+            if self.topk is None:
+                self.topk = topk_logp.new_zeros((self.logp.shape[0], *topk_logp.shape[1:]))
+            self.topk[rows] = topk_logp.detach()
+        self.done[rows] = 1
+
+    def merge(self, learner: Learner, s: Scored) -> None:
+        done = learner.all_sum(self.done) > 0  # rows no rank reached (a non-finite loss stopped it) keep their value
+        s.old_logp.copy_(torch.where(done[:, None], learner.all_sum(self.logp), s.old_logp))
+        if s.old_topk is not None:  # on every rank alike (a rank with only zero-weight passes recorded none)
+            mine = self.topk if self.topk is not None else torch.zeros_like(s.old_topk)
+            s.old_topk.copy_(torch.where(done[:, None, None], learner.all_sum(mine), s.old_topk))

@@ -58,13 +58,18 @@ MOOT = [
     ("guard_lr_factor", 0.25, []),  # no guard
     ("guard_max_rollbacks", 5, []),
     ("fp32_lm_head", True, []),  # float32 model
+    ("ray_address", "auto", []),  # no rollout workers
+    ("ray_cpus", 2, []),
+    ("rollout_worker_gpus", 1.0, []),
+    ("ray_cpus", 2, ["--rollout-workers", "1", "--ray-address", "auto"]),  # a cluster sizes itself
 ]
 # Fields that always change what runs (or how the run is kept and shown).
 ALWAYS = {"method", "task", "reward_funcs", "reward_weights", "model", "run_dir", "steps", "prompts_per_step",
           "group_size", "max_new_tokens", "temperature", "top_p", "top_k", "lr", "warmup_steps", "weight_decay",
           "max_grad_norm", "epochs_per_batch", "minibatches", "micro_batch_size", "train_prompts", "sampler",
           "agency", "async_staleness", "eval_every", "eval_prompts", "checkpoint_every", "resume", "resume_from",
-          "overwrite", "seed", "threads", "dtype", "guard", "max_bad_steps", "log_every", "tensorboard", "wandb"}
+          "overwrite", "seed", "threads", "dtype", "guard", "max_bad_steps", "log_every", "tensorboard", "wandb",
+          "rollout_workers", "nproc"}
 
 
 def test_every_field_is_classified():
@@ -139,7 +144,9 @@ def test_rloo_under_the_tree_sampler_logs_its_reward_kl_penalty(tiny_model, tmp_
     train(cfg, get_method("rloo"), model_dir=tiny_model, task=AdditionTask(), run_dir=str(tmp_path), console=QUIET)
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     penalties = [r["reward/kl_penalty"] for r in rows if "reward/mean" in r]
-    assert len(penalties) == 2 and penalties[0] == 0.0 < penalties[1]  # the policy has moved from the reference
+    # The policy has moved from the reference. k1 is a sampled estimate of the KL, so its sign after one
+    # small step depends on the draws: only its being nonzero is the property.
+    assert len(penalties) == 2 and penalties[0] == 0.0 != penalties[1]
 
 
 def test_dynamic_sampling_refills_until_its_round_limit(tiny_model, tmp_path):

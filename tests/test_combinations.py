@@ -71,8 +71,8 @@ def test_every_combination_trains_with_its_parts_active_or_is_refused(tiny_model
         key = "reward/kl_penalty" if method.kl_placement == "reward" else "objective/kl"
         if method.ref_sync_every == 1:  # Humanline: the reference is the policy as the step starts
             assert steps[1][key] == 0.0, (key, steps[1].get(key))
-        else:
-            assert steps[1][key] > 0, (key, steps[1].get(key))
+        else:  # a sampled estimate (k1 can be negative on a batch): the property is that it is nonzero
+            assert steps[1][key] != 0, (key, steps[1].get(key))
     if method.needs_values:
         assert all("critic/value_loss" in r for r in steps)
     if sampler == "tree":

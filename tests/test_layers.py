@@ -102,9 +102,9 @@ def test_the_loop_branches_on_no_sampler_pipeline_agency_or_backend():
     source = (ROOT / "trainer.py").read_text()
     assert len(source.splitlines()) <= 300
     words = ("tree", "sampler", "pipeline", "async", "prefetch", "agency", "arbiter", "critic", "reference", "backend",
-             "generator", "kl_placement", "needs_")
+             "generator", "kl_placement", "needs_", "worker", "ray", "rank", "world", "fsdp", "dist")
     tests = [ast.unparse(node.test) for node in ast.walk(ast.parse(source)) if isinstance(node, (ast.If, ast.IfExp))]
     assert not [t for t in tests if any(w in t.lower() for w in words)], tests
-    concrete = {"polyrl.rollout.tree", "polyrl.rollout.group", "polyrl.rollout.pipeline", "polyrl.rollout.agency",
+    concrete = {"polyrl.rollout.tree", "polyrl.rollout.group", "polyrl.rollout.remote", "polyrl.rollout.agency",
                 "polyrl.rollout.hf", "polyrl.learner"}
     assert not {m for m in _imports(ROOT / "trainer.py") if any(m.startswith(c) for c in concrete)}

@@ -125,7 +125,7 @@ class ScriptedGenerator:
     script: Callable[[str], tuple[str, bool]]
     calls: list[tuple[list[list[int]], SamplingParams]] = dataclasses.field(default_factory=list)
 
-    def generate_ids(self, prompt_ids: list[list[int]], params: SamplingParams) -> list[Sample]:
+    def generate_ids(self, prompt_ids: list[list[int]], params: SamplingParams, keys=None) -> list[Sample]:
         self.calls.append((prompt_ids, params))
         out = []
         for index, context in enumerate(prompt_ids):
@@ -137,7 +137,7 @@ class ScriptedGenerator:
                               finish_reason="stop" if stop else "length", text=TOK.decode(tokens)))
         return out
 
-    def generate(self, prompts: list[str], params: SamplingParams) -> list[Sample]:
+    def generate(self, prompts: list[str], params: SamplingParams, keys=None) -> list[Sample]:
         raise AssertionError("the episode runner conditions on token ids")
 
     def load_weights(self, state_dict) -> None:
@@ -280,10 +280,10 @@ class ScriptedFirstTurn:
 
     real: HFGenerator
 
-    def generate_ids(self, prompt_ids: list[list[int]], params: SamplingParams) -> list[Sample]:
+    def generate_ids(self, prompt_ids: list[list[int]], params: SamplingParams, keys=None) -> list[Sample]:
         if all(TOK.decode(c, skip_special_tokens=True).endswith("=") for c in prompt_ids):
             return ScriptedGenerator(call_then_answer).generate_ids(prompt_ids, params)
-        return self.real.generate_ids(prompt_ids, params)
+        return self.real.generate_ids(prompt_ids, params, keys)
 
 
 def test_rollout_logprobs_after_the_environment_match_the_trainer(policy):

@@ -230,7 +230,7 @@ class ScriptedGenerator:
     def __init__(self, tokenizer, p_right: dict[str, float]):
         self.tok, self.p_right, self.rng = tokenizer, p_right, random.Random(0)
 
-    def generate_ids(self, prompt_ids, params):
+    def generate_ids(self, prompt_ids, params, keys=None):
         out = []
         for i, ids in enumerate(prompt_ids):
             text = self.tok.decode(ids, skip_special_tokens=True)
@@ -391,7 +391,8 @@ def test_answer_likelihood_is_the_samplers_probability_of_the_answer(tmp_path, t
                            temperature=temperature, top_p=1.0, top_k=top_k, fp32_head=False, micro_batch_size=4)
     generator = HFGenerator(model, tokenizer)
     texts = ["12+34=", "123+456=", "7+8="]
-    drawn = generator.generate(texts, SamplingParams(n=32, max_new_tokens=6, temperature=temperature,
+    # An untrained model rarely writes EOS within 6 tokens: 64 draws per prompt give a few that do.
+    drawn = generator.generate(texts, SamplingParams(n=64, max_new_tokens=6, temperature=temperature,
                                                      top_k=top_k or None, seed=0))
     eos = tokenizer.eos_token_id  # completions that are exactly (their text's tokens, EOS)
     done = [s for s in drawn if s.text and s.completion_token_ids == [

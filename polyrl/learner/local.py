@@ -3,12 +3,13 @@
 The loop in ``trainer.py`` only talks to a ``Learner``: log-probs of token batches (with or without
 gradient) for the policy and its reference, critic values and the critic's step, backward, optimizer
 step, learning-rate changes, weights for generators elsewhere, and checkpoints. An FSDP2 or LoRA
-learner implements the same methods without touching the loop. Token batches are ``polyrl.batch``.
+learner implements the same methods without touching the loop (``fsdp.FSDPLearner``: every rank holds
+the whole batch; ``shard`` and ``all_sum`` divide the micro-batches among ranks and add up what they
+counted). Token batches are ``polyrl.batch``; code both learners share is in ``common``.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
@@ -16,8 +17,17 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor, nn
 
-from polyrl.batch import TokenBatch, logprobs_nograd, sample_ref_logp
+from polyrl.batch import TokenBatch, logprobs_nograd
 from polyrl.checkpoint import load_checkpoint, save_checkpoint
+from polyrl.learner.common import (
+    clip_and_step,
+    extra_models,
+    make_optimizer,
+    reference_logp,
+    sampling_settings,
+    set_base_lr,
+    sync_reference,
+)
 from polyrl.model import TokenLogprobs, completion_logprobs
 from polyrl.objectives.value import clipped_value_loss
 from polyrl.rollout.generator import Sample
@@ -101,6 +111,9 @@ class Learner(Protocol):
     def weights(self) -> dict[str, Tensor]: ...  # the policy's state dict, for generators elsewhere
     def save(self, run_dir: str | Path, step: int, state: dict[str, Any]) -> Path: ...
     def load(self, path: str | Path) -> dict[str, Any]: ...  # restores in place; returns the trainer state
+    # Work division among data-parallel ranks (each holds the whole batch); trivial in one process.
+    def shard(self, n: int) -> list[int | None]: ...  # this rank's micro-batches of n; None: a zero-weight pass
+    def all_sum(self, values: Tensor) -> Tensor: ...  # sum over ranks
 
 
 class ValueHead(nn.Module):
@@ -153,12 +166,10 @@ class LocalLearner:
         self.reference, self.ref_sync_every = reference, ref_sync_every
         self.critic, self.value_clip = critic, value_clip
         self.critic_opt = torch.optim.AdamW(critic.parameters(), lr=critic_lr) if critic is not None else None
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda s: min(1.0, (s + 1) / (warmup_steps + 1)) if warmup_steps else 1.0
-        )
+        self.optimizer, self.scheduler = make_optimizer(model.parameters(), lr=lr, weight_decay=weight_decay,
+                                                        warmup_steps=warmup_steps)
         self.max_grad_norm = max_grad_norm
-        self.sampling = dict(temperature=temperature, top_p=top_p if top_p < 1 else None, top_k=top_k or None)
+        self.sampling = sampling_settings(temperature, top_p, top_k)
         self.fp32_head = fp32_head
         self.micro_batch_size = micro_batch_size
 
@@ -177,10 +188,8 @@ class LocalLearner:
     def ref_logprobs(self, batch: TokenBatch, samples: list[Sample]) -> Tensor | None:
         """Reference log-probs [B, T] at the rollout weights: scored with the samples when the generation process
         did it (a frozen reference), else here; None without a reference."""
-        if self.reference is None:
-            return None
-        scored = None if self.ref_sync_every else sample_ref_logp(samples, batch.completion_mask.shape[1])
-        return self.logprobs_nograd(batch, model=self.reference).logp if scored is None else scored
+        return reference_logp(self.reference, self.ref_sync_every, batch, samples,
+                              lambda: self.logprobs_nograd(batch, model=self.reference).logp)
 
     def values(self, batch: TokenBatch) -> Tensor | None:
         """Critic values [B, T] on the loss tokens (0 elsewhere), without gradient; None without a critic."""
@@ -191,8 +200,7 @@ class LocalLearner:
 
     def begin_step(self, step: int) -> None:
         """Sync a reference that follows the policy (Humanline: reference = recent policy) when it is due."""
-        if self.reference is not None and self.ref_sync_every and step % self.ref_sync_every == 0:
-            self.reference.load_state_dict(self.model.state_dict())
+        sync_reference(self.reference, self.ref_sync_every, self.model, step)
 
     def critic_step(self, batch: TokenBatch, old_values: Tensor, returns: Tensor) -> dict[str, float]:
         """One critic optimizer step on the clipped value loss of ``batch``; {} without a critic."""
@@ -209,21 +217,11 @@ class LocalLearner:
 
     def step(self) -> float:
         """Clip, step and zero; a non-finite gradient norm skips the update (weights untouched) and returns it."""
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        max_norm = self.max_grad_norm if self.max_grad_norm > 0 else float("inf")
-        norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
-        if math.isfinite(norm):
-            self.optimizer.step()
-            self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return norm
+        return clip_and_step(self.model, self.optimizer, self.scheduler, self.max_grad_norm)
 
     def set_base_lr(self, lr: float) -> None:
         """Change the schedule's base learning rate for the rest of the run (saved with the scheduler state)."""
-        ratio = self.scheduler.get_last_lr()[0] / self.scheduler.base_lrs[0]  # where the warm-up stands
-        self.scheduler.base_lrs = [lr for _ in self.scheduler.base_lrs]
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr * ratio
+        set_base_lr(self.optimizer, self.scheduler, lr)
 
     def skip_step(self) -> None:
         """Drop accumulated gradients without stepping (non-finite loss)."""
@@ -236,11 +234,16 @@ class LocalLearner:
     def weights(self) -> dict[str, Tensor]:
         return self.model.state_dict()
 
+    def shard(self, n: int) -> list[int | None]:
+        """Every micro-batch runs here."""
+        return list(range(n))
+
+    def all_sum(self, values: Tensor) -> Tensor:
+        """One process: the sum over ranks is ``values`` itself."""
+        return values
+
     def _extra_models(self) -> dict[str, nn.Module]:
-        extra: dict[str, nn.Module] = {"critic": self.critic} if self.critic is not None else {}
-        if self.reference is not None and self.ref_sync_every:
-            extra["reference"] = self.reference  # a synced reference is state; a frozen one is the starting model
-        return extra
+        return extra_models(self.reference, self.ref_sync_every, self.critic)
 
     def save(self, run_dir: str | Path, step: int, state: dict[str, Any]) -> Path:
         """An atomic checkpoint of everything this learner holds, with the trainer's ``state``."""
@@ -250,7 +253,16 @@ class LocalLearner:
                                state=state, extra_models=self._extra_models())
 
     def load(self, path: str | Path) -> dict[str, Any]:
-        """Restore a checkpoint in place (weights, optimizers, schedule, RNG); return the trainer's state."""
+        """Restore a checkpoint in place (weights, optimizers, schedule, RNG); return the trainer's state.
+
+        A sharded checkpoint (saved by ``FSDPLearner`` at any world size) is read through the same DCP function,
+        without a process group."""
+        from polyrl.learner.sharded import is_sharded, load_sharded
+
+        if is_sharded(path):
+            return load_sharded(path, models={"model": self.model, **self._extra_models()},
+                                optimizers={"model": self.optimizer, "critic": self.critic_opt},
+                                scheduler=self.scheduler, collective=False)
         saved = load_checkpoint(path, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
                                 extra_models=self._extra_models())
         critic_opt_state = saved.pop("critic_optimizer", None)

@@ -15,6 +15,11 @@ ratio. Every token carries the index of its agent turn (``turn_ids``), which the
 A run of several turns re-encodes the growing prefix each turn (no cache across the environment
 call), as multi-turn rollouts in verl/TRL do without a prefix cache; it is exact and simple.
 
+Every episode has a sampling key, ``key_offset`` plus its position in the list given to ``run``, and its
+draws depend only on the seed, that key and its own progress (turn round, budget left), never on the
+other episodes decoded with it: running a list in one call equals running its contiguous chunks with
+their offsets (``run(episodes[a:b], params, key_offset=a)``), so rollouts can be split across workers.
+
 ``Episode.start_*`` lets an episode begin from an existing partial completion: the tree sampler
 continues prefixes of earlier rollouts this way.
 """
@@ -56,10 +61,12 @@ class Episode:
     finish_reason: str = "length"
     done: bool = False
     baseline_tokens: int = 0
+    ref_logprobs: list[float] | None = None  # per completion token under the frozen reference (rollout workers)
 
     def to_sample(self, prompt_index: int, text: str) -> Sample:
         return Sample(prompt_index=prompt_index, prompt_token_ids=list(self.prompt_ids),
                       completion_token_ids=list(self.token_ids), logprobs=list(self.logprobs),
+                      ref_logprobs=None if self.ref_logprobs is None else list(self.ref_logprobs),
                       finish_reason=self.finish_reason, text=text, loss_mask=list(self.loss_mask),
                       turn_ids=list(self.turn_ids), baseline_tokens=self.baseline_tokens)
 
@@ -78,7 +85,10 @@ def prefix_episode(episode: Episode, length: int) -> Episode:
 class EpisodeRunner:
     """Samples episodes with a generator; ``task`` may be a ToolTask (multi-turn) or a plain task."""
 
-    def __init__(self, generator: Generator, tokenizer, task) -> None:
+    def __init__(self, generator: Generator, tokenizer, task, *, own_weights: bool = False) -> None:
+        """``own_weights``: the generator holds its own copy of the policy (the learner's is sharded across
+        processes), so ``after_update`` loads the trainer's weights into it; otherwise it shares the module."""
+        self.own_weights = own_weights
         self.generator = generator
         self.tokenizer = tokenizer
         self.task = task
@@ -97,33 +107,55 @@ class EpisodeRunner:
         ids = self.tokenizer([p.text for p in prompts], add_special_tokens=True)["input_ids"]
         return [Episode(prompt=p, prompt_ids=list(i)) for p, i in zip(prompts, ids) for _ in range(n)]
 
-    def sample(self, prompts: list[Prompt], params: SamplingParams) -> list[Sample]:
-        """``params.n`` episodes per prompt as Samples (``prompt_index`` indexes ``prompts``)."""
-        episodes = self.run(self.new(prompts, params.n), params)
+    def sample(self, prompts: list[Prompt], params: SamplingParams, key_offset: int = 0) -> list[Sample]:
+        """``params.n`` episodes per prompt as Samples (``prompt_index`` indexes ``prompts``).
+
+        Episode ``i`` (prompt ``i // n``, copy ``i % n``) has key ``key_offset + i``: the prompts ``[a:b]`` of a
+        list sampled on their own with ``key_offset = a * n`` give the same samples as within the whole list.
+        """
+        episodes = self.run(self.new(prompts, params.n), params, key_offset)
         return self.to_samples(episodes, [i // params.n for i in range(len(episodes))])
 
     def to_samples(self, episodes: list[Episode], prompt_index: list[int]) -> list[Sample]:
         texts = self.tokenizer.batch_decode([e.token_ids for e in episodes], skip_special_tokens=True)
         return [e.to_sample(i, t) for e, i, t in zip(episodes, prompt_index, texts)]
 
-    def run(self, episodes: list[Episode], params: SamplingParams) -> list[Episode]:
-        """Continue every episode until it ends; returns the same (mutated) list."""
+    def after_update(self, weights, version: int) -> None:
+        """The policy took an optimizer step: a generator with its own copy loads ``weights()``."""
+        if self.own_weights:
+            self.generator.load_weights(weights())
+
+    def take_stats(self) -> dict[str, float]:
+        """Nothing to report in-process (rollout workers report restarts, utilisation, weight sync)."""
+        return {}
+
+    def close(self) -> None:
+        """Nothing started."""
+
+    def run(self, episodes: list[Episode], params: SamplingParams, key_offset: int = 0) -> list[Episode]:
+        """Continue every episode until it ends; returns the same (mutated) list.
+
+        Episode ``i`` samples with key ``key_offset + i`` (see the module docstring).
+        """
         one = dataclasses.replace(params, n=1, stop_token_ids=self.stop_ids)
         turn_round = 0
         while True:
-            live = [e for e in episodes if not e.done and e.turn < self.max_turns
+            live = [(key_offset + i, e) for i, e in enumerate(episodes) if not e.done and e.turn < self.max_turns
                     and len(e.token_ids) < params.max_new_tokens]
             if not live:
                 break
             # Live episodes may have different budgets left; decode them in groups of equal remaining budget.
-            by_left: dict[int, list[Episode]] = {}
-            for e in live:
-                by_left.setdefault(params.max_new_tokens - len(e.token_ids), []).append(e)
+            # The seed of a group depends on the round and the budget, each episode's own progress, and the
+            # keys follow the episodes: an episode's draws do not depend on which others share its group.
+            by_left: dict[int, list[tuple[int, Episode]]] = {}
+            for key, e in live:
+                by_left.setdefault(params.max_new_tokens - len(e.token_ids), []).append((key, e))
             for left, group in sorted(by_left.items()):
                 seed = None if params.seed is None else params.seed + 7919 * turn_round + left
                 step_params = dataclasses.replace(one, max_new_tokens=left, seed=seed)
-                outs = self.generator.generate_ids([e.prompt_ids + e.token_ids for e in group], step_params)
-                for e, s in zip(group, outs):
+                outs = self.generator.generate_ids([e.prompt_ids + e.token_ids for _, e in group], step_params,
+                                                   keys=[key for key, _ in group])
+                for (_, e), s in zip(group, outs):
                     self._extend(e, s, params.max_new_tokens)
             turn_round += 1
         for e in episodes:

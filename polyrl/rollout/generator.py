@@ -4,6 +4,11 @@ A backend (transformers here; vLLM optionally) samples ``n`` completions per pro
 for every sampled token, its log-prob under the distribution it was actually drawn from (after
 temperature, top-k and top-p). The trainer keeps these as ``rollout_logp`` so mismatch corrections
 and DPPO-style trust regions anchor to the policy that really sampled.
+
+Randomness is per completion, as vLLM's per-request seed: every row (one completion) carries a
+key, and its draws depend only on ``(seed, key)``, never on which other rows share its batch. So a
+list of prompts sampled in one call, or split into chunks sampled separately (other processes,
+other batch sizes) with the same keys, gives the same completions.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
+import torch
 from torch import Tensor
 
 FinishReason = Literal["stop", "length"]
@@ -59,16 +65,37 @@ class Sample:
 
 
 class Generator(Protocol):
-    """A sampling backend. Samples come back grouped: all ``n`` of prompt 0, then prompt 1, ..."""
+    """A sampling backend. Samples come back grouped: all ``n`` of prompt 0, then prompt 1, ...
 
-    def generate(self, prompts: list[str], params: SamplingParams) -> list[Sample]:
+    ``keys`` holds one integer per row (prompt ``i``'s ``n`` copies in order; by default a row's key is its
+    index ``i * n + j``). Like vLLM's per-request seed, a row's randomness comes from ``(params.seed, key)``
+    alone, so the same seed and key give the same completion in any batch.
+    """
+
+    def generate(self, prompts: list[str], params: SamplingParams, keys: list[int] | None = None) -> list[Sample]:
         """Sample ``params.n`` completions for every prompt."""
         ...
 
-    def generate_ids(self, prompt_ids: list[list[int]], params: SamplingParams) -> list[Sample]:
+    def generate_ids(self, prompt_ids: list[list[int]], params: SamplingParams,
+                     keys: list[int] | None = None) -> list[Sample]:
         """The same from already tokenized prompts (continuations of multi-turn or tree prefixes)."""
         ...
 
     def load_weights(self, state_dict: dict[str, Tensor]) -> None:
         """Replace the sampling weights with the trainer's (same parameter names)."""
         ...
+
+
+def draw_tokens(logprobs: Tensor, u: Tensor) -> Tensor:
+    """Sample one token per row [n] from log-distributions [n, V] by inverse CDF with uniforms ``u`` [n] in [0, 1).
+
+    Each row uses only its own uniform, so its token does not depend on the other rows (unlike one
+    ``torch.multinomial`` over the batch). A zero-probability (filtered) token is never picked, even
+    at ``u == 0`` or where float rounding of the cumulative sum would allow it: its CDF entry is set
+    to exactly its predecessor's, and the target stays strictly below the total mass.
+    """
+    probs = logprobs.exp()
+    cdf = torch.where(probs > 0, probs.cumsum(dim=-1), 0.0).cummax(dim=-1).values
+    total = cdf[:, -1:]
+    target = torch.minimum(u.to(cdf.dtype)[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, target, right=True).squeeze(1)

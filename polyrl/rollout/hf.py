@@ -11,6 +11,13 @@ one token per row with the cache (a ``DynamicCache``). Rows that sampled EOS are
 batch and the cache as soon as they finish, so long-tail rows do not pay for finished ones. The
 only Python work per step is the loop itself and one ``any()`` check.
 
+Sampling is per row, never per batch: each row (one completion) has a key, and its random numbers
+are uniforms drawn once per decode batch from generators seeded by ``(seed, key)`` (one stream for
+the tokens, another for the agency coins), indexed by the row's original position and the step. A
+token is drawn by inverse CDF of the processed distribution with the row's uniform of that step
+(``draw_tokens``). So a row's completion does not depend on the rows beside it, the batch size or
+the order of the rows: rollouts can be split across processes and still reproduce a single call.
+
 With an ``AgencyArbiter`` attached (agency transfer), a frozen baseline model decodes alongside with
 its own cache, the arbiter picks each token from the baseline or the learner, and the reported
 log-prob is the mixture's (``rollout/agency/arbiter.py``).
@@ -20,14 +27,18 @@ from __future__ import annotations
 
 import functools
 import inspect
+import secrets
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 from transformers import DynamicCache
 
 from polyrl.model import head_logits, linear_head, process_logits
-from polyrl.rollout.agency.arbiter import AgencyArbiter, coin_generator
-from polyrl.rollout.generator import Sample, SamplingParams
+from polyrl.rollout.agency.arbiter import AgencyArbiter
+from polyrl.rollout.generator import Sample, SamplingParams, draw_tokens
+
+TOKENS, COINS = 0, 1  # the two random streams of a row
 
 
 class HFGenerator:
@@ -57,28 +68,34 @@ class HFGenerator:
         with torch.no_grad():
             self.model.load_state_dict(state_dict, strict=True)
 
-    def generate(self, prompts: list[str], params: SamplingParams) -> list[Sample]:
-        """Sample ``params.n`` completions per prompt, grouped by prompt, in micro-batches."""
-        return self.generate_ids(self.tokenizer(list(prompts), add_special_tokens=True)["input_ids"], params)
+    def generate(self, prompts: list[str], params: SamplingParams, keys: list[int] | None = None) -> list[Sample]:
+        """Sample ``params.n`` completions per prompt, grouped by prompt, in micro-batches (``keys``: see below)."""
+        return self.generate_ids(self.tokenizer(list(prompts), add_special_tokens=True)["input_ids"], params, keys)
 
-    def generate_ids(self, prompt_ids: list[list[int]], params: SamplingParams) -> list[Sample]:
-        """The same from token ids (multi-turn and tree continuations condition on token prefixes)."""
+    def generate_ids(self, prompt_ids: list[list[int]], params: SamplingParams,
+                     keys: list[int] | None = None) -> list[Sample]:
+        """The same from token ids (multi-turn and tree continuations condition on token prefixes).
+
+        ``keys``: one per row (prompt ``i``'s ``n`` copies in order), default the row's index ``i * n + j``. A
+        row's draws depend only on ``(params.seed, key)``; without a seed, one random base per call.
+        """
         for index, ids in enumerate(prompt_ids):
             if not ids:
                 raise ValueError(f"prompt {index} tokenizes to no tokens; nothing to condition on")
-        device = next(self.model.parameters()).device
-        rng = torch.Generator(device=device)
-        if params.seed is None:
-            rng.seed()
-        else:
-            rng.manual_seed(params.seed)
-        coins = coin_generator(params.seed, device)  # the agency arbiter's coins, apart from the token draws
         rows = [(index, ids) for index, ids in enumerate(prompt_ids) for _ in range(params.n)]
+        keys = list(range(len(rows))) if keys is None else list(keys)
+        if len(keys) != len(rows):
+            raise ValueError(f"generate_ids: {len(keys)} keys for {len(rows)} rows (one per prompt and copy)")
+        base = secrets.randbits(64) if params.seed is None else params.seed
+        device = next(self.model.parameters()).device
         samples: list[Sample] = []
         for start in range(0, len(rows), self.max_batch_size):
             chunk = rows[start : start + self.max_batch_size]
             chunk_ids = [ids for _, ids in chunk]
-            tokens, logps, lengths, stopped, from_b = self._decode(chunk_ids, params, rng, coins, device)
+            chunk_keys = keys[start : start + self.max_batch_size]
+            uniforms = _uniforms(base, chunk_keys, TOKENS, params.max_new_tokens).to(device)
+            coins = _uniforms(base, chunk_keys, COINS, params.max_new_tokens + 1).to(device)
+            tokens, logps, lengths, stopped, from_b = self._decode(chunk_ids, params, uniforms, coins, device)
             completions = [row[:n] for row, n in zip(tokens.tolist(), lengths.tolist())]
             texts = self.tokenizer.batch_decode(completions, skip_special_tokens=True)
             for (index, ids), completion, row_logps, stop, text, n_b in zip(
@@ -99,11 +116,15 @@ class HFGenerator:
 
     @torch.inference_mode()
     def _decode(
-        self, prompt_ids: list[list[int]], params: SamplingParams, rng: torch.Generator, coins: torch.Generator,
+        self, prompt_ids: list[list[int]], params: SamplingParams, uniforms: Tensor, coins: Tensor,
         device: torch.device,
     ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
         """Decode one left-padded batch: tokens [N, S], log-probs [N, S], lengths [N], stopped [N],
-        baseline-chosen token counts [N]."""
+        baseline-chosen token counts [N].
+
+        ``uniforms`` [N, S]: each row's token draw per step; ``coins`` [N, S + 1]: its agency coins (column 0
+        the sequence-mode coin, column 1 + t the token-mode coin of step t).
+        """
         count, width, steps = len(prompt_ids), max(len(ids) for ids in prompt_ids), params.max_new_tokens
         input_ids = torch.full((count, width), self.pad_id, dtype=torch.long)
         attention_mask = torch.zeros((count, width), dtype=torch.long)
@@ -124,15 +145,16 @@ class HFGenerator:
         cache = DynamicCache(config=self.model.config)
         logits = self._next_logits(input_ids, attention_mask, position_ids, cache)
         if arbiter is not None:
-            mix = arbiter.start(count, coins, device)
+            mix = arbiter.start(coins[:, 0])
             base_cache = DynamicCache(config=arbiter.baseline.config)
             base_logits = self._next_logits(input_ids, attention_mask, position_ids, base_cache, arbiter.baseline)
         for step in range(steps):
             if arbiter is None:
-                token, logp = _pick(logits, params, rng)
+                token, logp = _pick(logits, params, uniforms[rows, step])
             else:
                 token, logp = arbiter.pick(_processed(logits, params), _processed(base_logits, params),
-                                           params.temperature == 0, rng, mix, rows)
+                                           params.temperature == 0, uniforms[rows, step], coins[rows, step + 1], mix,
+                                           rows)
             tokens[rows, step] = token
             logps[rows, step] = logp
             lengths[rows] = step + 1
@@ -189,8 +211,24 @@ def _processed(logits: Tensor, params: SamplingParams) -> Tensor:
                           ).log_softmax(dim=-1)
 
 
-def _pick(logits: Tensor, params: SamplingParams, rng: torch.Generator) -> tuple[Tensor, Tensor]:
-    """Choose one token per row [n] and its log-prob [n] under the distribution it came from.
+def _uniforms(base: int, keys: list[int], stream: int, count: int) -> Tensor:
+    """``count`` uniforms in [0, 1) per key [len(keys), count], a function of (base, key, stream) alone.
+
+    numpy's SeedSequence mixes the words into a well-spread seed (nearby keys or seeds give unrelated
+    streams); a CPU torch generator then draws them, so the numbers are the same on every device.
+    """
+    out = torch.empty((len(keys), count), dtype=torch.float32)
+    generator = torch.Generator()
+    for row, key in enumerate(keys):
+        words = [base % 2**64, key % 2**64, stream]  # SeedSequence takes non-negative words
+        generator.manual_seed(int(np.random.SeedSequence(words).generate_state(1, dtype=np.uint64)[0]))
+        out[row] = torch.rand(count, generator=generator)
+    return out
+
+
+def _pick(logits: Tensor, params: SamplingParams, u: Tensor) -> tuple[Tensor, Tensor]:
+    """Choose one token per row [n] (by inverse CDF with the rows' uniforms ``u`` [n]) and its log-prob [n]
+    under the distribution it came from.
 
     Greedy (temperature 0) reports the log-prob under the unprocessed distribution (temperature 1,
     no filters): the limit distribution at temperature 0 is one-hot and carries no information.
@@ -199,5 +237,5 @@ def _pick(logits: Tensor, params: SamplingParams, rng: torch.Generator) -> tuple
     if params.temperature == 0:
         token = logits.argmax(dim=-1)
     else:
-        token = torch.multinomial(logprobs.exp(), 1, generator=rng).squeeze(1)
+        token = draw_tokens(logprobs, u)
     return token, logprobs.gather(-1, token[:, None]).squeeze(1)

@@ -20,6 +20,8 @@ if TYPE_CHECKING:  # annotations only: this module (and its settings) imports no
 
     from polyrl.objectives import Method
     from polyrl.rollout.collect import RolloutBatch
+    from polyrl.rollout.episodes import Episode
+    from polyrl.rollout.generator import Sample, SamplingParams
     from polyrl.tasks.base import Prompt, Task
 
 Draw = Callable[[int, int], "list[tuple[int, Prompt]]"]  # (position, k) -> k (pool index, prompt) pairs
@@ -32,7 +34,7 @@ class PrefetchConfig:
     PREFIX: ClassVar[str] = "async"
 
     staleness: int = 0
-    """asynchronous pipeline: a generation process runs up to k policy versions ahead (0 = synchronous)"""
+    """asynchronous generation: rollout workers (Ray) sample up to k policy versions ahead (0 = synchronous)"""
 
 
 class PromptStream:
@@ -62,6 +64,22 @@ class PromptStream:
     def peek(self, ahead: int, k: int) -> list[tuple[int, Prompt]]:
         """The k prompts ``ahead`` positions past the current one, without moving (prefetching)."""
         return self.draw_at(self.pos + ahead, k)
+
+
+class Runner(Protocol):
+    """Runs episodes for a source: ``rollout.episodes.EpisodeRunner`` in this process (its generator shares the
+    policy module) or ``rollout.remote.RemoteRunner`` on Ray actors. Sources only call these."""
+
+    tokenizer: Any
+    tool: bool  # multi-turn tool task
+
+    def new(self, prompts: list[Prompt], n: int) -> list[Episode]: ...  # n fresh episodes per prompt
+    def run(self, episodes: list[Episode], params: SamplingParams, key_offset: int = 0) -> list[Episode]: ...
+    def sample(self, prompts: list[Prompt], params: SamplingParams, key_offset: int = 0) -> list[Sample]: ...
+    def to_samples(self, episodes: list[Episode], prompt_index: list[int]) -> list[Sample]: ...
+    def after_update(self, weights: Callable[[], dict[str, Tensor]], version: int) -> None: ...  # new weights
+    def take_stats(self) -> dict[str, float]: ...  # rollout/* and perf/* metrics since the last call
+    def close(self) -> None: ...
 
 
 class RolloutSource(Protocol):

@@ -11,7 +11,7 @@ import importlib
 _EXPORTS = {
     **{name: "config" for name in ("AgencyConfig", "AgencyMode", "SCHEDULES", "exp_schedule", "linear_schedule",
                                    "parse_schedule", "step_schedule")},
-    **{name: "arbiter" for name in ("AgencyArbiter", "AgencySource", "MixState", "coin_generator")},
+    **{name: "arbiter" for name in ("AgencyArbiter", "AgencySource", "MixState")},
 }
 __all__ = sorted(_EXPORTS)
 

@@ -17,16 +17,16 @@ In multi-turn episodes every agent turn is a separate decode, so "sequence" mean
 turn there (the reported log-probs follow that behaviour exactly).
 
 Both distributions are processed identically (temperature, top-k, top-p) before mixing. The coins
-come from their own generator (``coin_generator``), never from the one tokens are drawn with, so the
-token draws use exactly the random numbers they would use without the arbiter: with the same seed,
-beta = 1 reproduces the baseline's completions and beta = 0 the learner's. The behaviour log-prob
+are uniforms of each row's own coin stream (the generator derives it from the seed and the row's key,
+apart from the row's token stream), so the token draws use exactly the random numbers they would use
+without the arbiter: with the same seed, beta = 1 reproduces the baseline's completions and beta = 0
+the learner's, and a row's coins do not depend on the other rows of its batch. The behaviour log-prob
 becomes the sample's ``rollout_logp``; the trainer's mismatch correction (TIS by default with
 agency) turns it into the importance weight pi_theta / mu.
 """
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -34,6 +34,7 @@ import torch
 from torch import Tensor, nn
 
 from polyrl.rollout.agency.config import AgencyMode
+from polyrl.rollout.generator import draw_tokens
 
 
 @dataclass
@@ -44,21 +45,6 @@ class MixState:
     prefix_b: Tensor  # [N] log P_b(y_<t)
     prefix_l: Tensor  # [N] log P_theta(y_<t)
     baseline_tokens: Tensor  # [N] long: tokens chosen by the baseline
-    coins: torch.Generator  # draws the arbiter's coins (kept apart from the token-sampling generator)
-
-
-def coin_generator(seed: int | None, device: torch.device) -> torch.Generator:
-    """The arbiter's coin generator for one generate call: seeded from ``seed`` (random when None).
-
-    The seed is hashed so that the coin stream is unrelated to the token stream seeded with ``seed``.
-    """
-    coins = torch.Generator(device=device)
-    if seed is None:
-        coins.seed()
-    else:
-        digest = hashlib.sha256(f"agency-coins/{seed}".encode()).digest()
-        coins.manual_seed(int.from_bytes(digest[:8], "little") >> 1)
-    return coins
 
 
 class AgencyArbiter:
@@ -80,28 +66,23 @@ class AgencyArbiter:
     def active(self) -> bool:
         return self.beta > 0.0
 
-    def start(self, count: int, coins: torch.Generator, device: torch.device) -> MixState:
-        """State of a decode batch of ``count`` rows; ``coins`` (see ``coin_generator``) draws every coin."""
-        coin = torch.rand(count, generator=coins, device=device) < self.beta
+    def start(self, coins: Tensor) -> MixState:
+        """State of a decode batch; ``coins`` [N] holds each row's sequence-mode coin (a uniform in [0, 1))."""
+        count, device = coins.shape[0], coins.device
         zeros = torch.zeros(count, dtype=torch.float64, device=device)
-        return MixState(coin, zeros, zeros.clone(), torch.zeros(count, dtype=torch.long, device=device), coins)
+        return MixState(coins < self.beta, zeros, zeros.clone(), torch.zeros(count, dtype=torch.long, device=device))
 
-    def pick(self, logp_l: Tensor, logp_b: Tensor, greedy: bool, rng: torch.Generator, state: MixState,
+    def pick(self, logp_l: Tensor, logp_b: Tensor, greedy: bool, u: Tensor, coins: Tensor, state: MixState,
              rows: Tensor) -> tuple[Tensor, Tensor]:
         """Choose one token per live row from the processed log-distributions [n, V] of learner and baseline.
 
-        ``rng`` draws the tokens, ``state.coins`` the coins. Returns (token [n], behaviour log-prob [n]);
-        ``state`` is updated for ``rows`` (original row ids).
+        ``u`` [n] are the live rows' token uniforms of this step, ``coins`` [n] their token-mode coins (unused in
+        sequence mode). Returns (token [n], behaviour log-prob [n]); ``state`` is updated for ``rows`` (original
+        row ids).
         """
-        if self.mode == "token":
-            use_b = torch.rand(rows.shape[0], generator=state.coins, device=logp_l.device) < self.beta
-        else:
-            use_b = state.from_baseline[rows]
+        use_b = coins < self.beta if self.mode == "token" else state.from_baseline[rows]
         source = torch.where(use_b[:, None], logp_b, logp_l)
-        if greedy:
-            token = source.argmax(dim=-1)
-        else:
-            token = torch.multinomial(source.exp(), 1, generator=rng).squeeze(1)
+        token = source.argmax(dim=-1) if greedy else draw_tokens(source, u)
         lb = logp_b.gather(-1, token[:, None]).squeeze(1).double()
         ll = logp_l.gather(-1, token[:, None]).squeeze(1).double()
         state.baseline_tokens[rows] += use_b.long()

@@ -24,11 +24,13 @@ class TreeSource:
         self.history: dict[int, float] = {}  # pool index -> best pass rate
 
     def collect(self, method: Method, stream: PromptStream, step: int) -> RolloutBatch:
-        return self.sampler.collect(self.rewards, method, stream.take, num_groups=self.num_groups,
-                                    params=self.sampling(step), history=self.history, step=step)
+        batch = self.sampler.collect(self.rewards, method, stream.take, num_groups=self.num_groups,
+                                     params=self.sampling(step), history=self.history, step=step)
+        batch.stats.update(self.sampler.runner.take_stats())
+        return batch
 
     def after_update(self, weights: Callable[[], dict[str, Tensor]], version: int) -> None:
-        """Nothing to send: the sampler's generator shares the policy module."""
+        self.sampler.runner.after_update(weights, version)
 
     def state_dict(self) -> dict[str, Any]:
         counts = self.sampler.predictor.counts
@@ -40,4 +42,4 @@ class TreeSource:
         self.sampler.predictor.counts.update(state.get("pass_counts") or {})
 
     def close(self) -> None:
-        """Nothing started."""
+        self.sampler.runner.close()

@@ -1,0 +1,168 @@
+"""Ray generator actors: start them (and Ray), broadcast weights, split calls across them, survive restarts.
+
+Ray does the scheduling, transport and fault tolerance; this module only decides what each actor gets:
+
+- **Ray itself.** With no address polyrl starts a local instance sized to the machine (``ray_cpus``, at least
+  one CPU per actor) and shuts it down in ``close``; with ``--ray-address auto|HOST:PORT`` it joins a
+  cluster and leaves it running.
+- **Weights.** ``publish`` marks the trainer's weights as new; the next call puts them into the object
+  store once (``ray.put``) under a new id, and every actor fetches them from there before sampling.
+  A call carries the reference wrapped in a list, so Ray does not fetch it for an actor that already
+  holds those weights.
+- **Dispatch.** A call's episodes are cut into one contiguous chunk per actor; chunk ``i`` starts at key
+  ``offset_i``, so the episodes equal those of one in-process ``EpisodeRunner.run`` over the whole list.
+- **Restarts.** Actors are created with ``max_restarts`` and ``max_task_retries``: when an actor's process
+  dies, Ray starts a new one and re-issues the calls it had in flight, with the same arguments. The reply
+  names the actor's incarnation; a new incarnation is counted (``rollout/worker_restarts``). A call whose
+  retries run out raises ``WorkerError`` (one line), never a partial batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from torch import Tensor
+
+from polyrl.rollout.episodes import Episode
+from polyrl.rollout.generator import SamplingParams
+from polyrl.rollout.remote.worker import RolloutWorker, WorkerReply, WorkerSpec
+
+MAX_RESTARTS = 8  # per actor: Ray restarts a dead actor and re-issues its in-flight calls this many times
+REPLY_TIMEOUT_S = 3600.0  # a call that takes longer than this is a hang, not a slow batch
+
+
+class WorkerError(RuntimeError):
+    """A generator actor failed for good (its restarts ran out, or its code raised)."""
+
+
+@dataclass
+class Pending:
+    """Calls in flight for one list of episodes: one per chunk."""
+
+    episodes: list[Episode]
+    bounds: list[tuple[int, int]]  # [start, end) of each chunk
+    refs: list  # ray.ObjectRef of each chunk's WorkerReply
+    actors: list[int]  # which actor serves each chunk
+
+
+class WorkerPool:
+    """N generator actors on Ray (see the module docstring)."""
+
+    def __init__(self, spec: WorkerSpec, *, workers: int, address: str | None = None, cpus: int = 0,
+                 gpus_per_worker: float = 0.0, weights: Callable[[], dict[str, Tensor]]) -> None:
+        try:
+            import ray
+        except ImportError:
+            raise WorkerError("rollout workers need Ray: pip install 'polyrl[scale]'") from None
+        if workers < 1:
+            raise ValueError(f"workers must be >= 1, got {workers}")
+        self.owns_ray = not ray.is_initialized()
+        if self.owns_ray:
+            quiet = dict(include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+            if address:
+                ray.init(address=address, **quiet)
+            else:  # "local": always a fresh instance, never one that RAY_ADDRESS or another run points at
+                ray.init(address="local", num_cpus=max(cpus or os.cpu_count() or 1, workers),
+                         num_gpus=None if gpus_per_worker else 0, **quiet)
+        actor = ray.remote(RolloutWorker).options(max_restarts=MAX_RESTARTS, max_task_retries=MAX_RESTARTS,
+                                                  num_cpus=1, num_gpus=gpus_per_worker)
+        self.actors = [actor.remote(spec) for _ in range(workers)]
+        self.incarnations: list[str | None] = [None] * workers
+        self.restarts = 0
+        self._weights, self._ref, self._next_id = weights, None, 0
+        self._busy_s = self._load_s = 0.0
+        self._since = time.perf_counter()  # start of the period take_stats reports on
+        self._closed = False
+
+    @property
+    def size(self) -> int:
+        return len(self.actors)
+
+    def publish(self, weights: Callable[[], dict[str, Tensor]]) -> None:
+        """New trainer weights: the next call sends them (``weights()`` is called then, once)."""
+        self._weights, self._ref = weights, None
+
+    def submit(self, episodes: list[Episode], params: SamplingParams, key_offset: int = 0,
+               beta: float = 0.0) -> Pending:
+        """Start generating ``episodes`` (keys from ``key_offset``) on the actors; ``wait`` collects them."""
+        import ray
+
+        if self._closed:
+            raise WorkerError("the rollout workers are closed")
+        if self._ref is None:  # the weight broadcast: into the object store once, fetched by every actor
+            t0 = time.perf_counter()
+            self._ref = (self._next_id, [ray.put({k: v.detach().cpu() for k, v in self._weights().items()})])
+            self._next_id += 1
+            self._load_s += time.perf_counter() - t0
+        n = len(episodes)
+        cuts = [round(i * n / self.size) for i in range(self.size + 1)]
+        bounds = [(a, b) for a, b in zip(cuts, cuts[1:]) if b > a]
+        refs = [self.actors[i].run.remote(episodes[a:b], params, key_offset + a, self._ref, beta)
+                for i, (a, b) in enumerate(bounds)]
+        return Pending(episodes, bounds, refs, list(range(len(bounds))))
+
+    def wait(self, pending: Pending) -> list[Episode]:
+        """The episodes of ``pending``, complete, in order; the given Episode objects are updated in place."""
+        import ray
+        from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+
+        try:
+            replies: list[WorkerReply] = ray.get(pending.refs, timeout=REPLY_TIMEOUT_S)
+        except RayTaskError as e:
+            raise WorkerError(f"a rollout worker raised: {e.cause!r}") from None
+        except RayActorError as e:
+            raise WorkerError(f"a rollout worker died and could not be restarted ({MAX_RESTARTS} restarts "
+                              f"allowed): {str(e).splitlines()[0]}") from None
+        except GetTimeoutError:
+            raise WorkerError(f"no reply from the rollout workers in {REPLY_TIMEOUT_S:.0f} s") from None
+        for actor, (a, b), reply in zip(pending.actors, pending.bounds, replies):
+            if self.incarnations[actor] not in (None, reply.incarnation):
+                self.restarts += 1
+            self.incarnations[actor] = reply.incarnation
+            for mine, got in zip(pending.episodes[a:b], reply.episodes):
+                got.prompt = mine.prompt  # keep the caller's Prompt objects
+                vars(mine).update(vars(got))
+            self._busy_s += reply.busy_s
+            self._load_s += reply.load_s
+        return pending.episodes
+
+    def take_stats(self) -> dict[str, float]:
+        """Metrics since the last call: restarts so far, weight-sync seconds, and the share of the period the actors
+        spent sampling (replies collected in it; a prefetched batch counts when it is collected)."""
+        now = time.perf_counter()
+        out = {"rollout/worker_restarts": float(self.restarts), "perf/weight_sync_s": self._load_s,
+               "rollout/worker_utilization": min(1.0, self._busy_s / max((now - self._since) * self.size, 1e-9))}
+        self._busy_s = self._load_s = 0.0
+        self._since = now
+        return out
+
+    def pids(self) -> list[int]:
+        """The actors' process ids (to watch them, or to kill one in a test)."""
+        import ray
+
+        return ray.get([a.pid.remote() for a in self.actors])
+
+    def cancel(self, pending: Pending) -> None:
+        """Give up on calls in flight (a prefetch that will never be used)."""
+        import ray
+
+        for ref in pending.refs:
+            with contextlib.suppress(Exception):
+                ray.cancel(ref)
+
+    def close(self) -> None:
+        """Stop the actors, and Ray when polyrl started it; safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        import ray
+
+        for a in self.actors:
+            with contextlib.suppress(Exception):
+                ray.kill(a, no_restart=True)
+        if self.owns_ray:
+            ray.shutdown()
