@@ -37,8 +37,13 @@ def _steps(rows):
     return [r for r in rows if "reward/mean" in r]
 
 
-def test_two_processes_train_like_one_and_resume_in_one(model, tmp_path):
-    one = _steps(_train(tmp_path / "one", model))
+@pytest.fixture(scope="module")
+def one(model, tmp_path_factory):
+    """The metrics of the same run in one process."""
+    return _steps(_train(tmp_path_factory.mktemp("one"), model))
+
+
+def test_two_processes_train_like_one_and_resume_in_one(model, one, tmp_path):
     two = _steps(_train(tmp_path / "two", model, "--nproc", "2"))
     assert [r["reward/mean"] for r in two] == [r["reward/mean"] for r in one]
     for a, b in zip(one, two):
@@ -51,3 +56,12 @@ def test_two_processes_train_like_one_and_resume_in_one(model, tmp_path):
     assert [r["step"] for r in resumed] == [1, 2, 3]
     assert resumed[-1]["reward/mean"] == one[-1]["reward/mean"]
     assert resumed[-1]["perf/grad_norm"] == pytest.approx(one[-1]["perf/grad_norm"], rel=1e-4)
+
+
+def test_two_processes_with_a_ray_rollout_worker_train_like_one(model, one, tmp_path):
+    """Trainer ranks and a generator actor compose: rank 0 drives the actor with the full state dict."""
+    both = _steps(_train(tmp_path / "both", model, "--nproc", "2", "--rollout-workers", "1", "--ray-cpus", "2"))
+    assert [r["reward/mean"] for r in both] == [r["reward/mean"] for r in one]
+    for a, b in zip(one, both):
+        assert b["perf/grad_norm"] == pytest.approx(a["perf/grad_norm"], rel=1e-4)
+    assert all(r["rollout/worker_restarts"] == 0 and r["perf/weight_sync_s"] > 0 for r in both)

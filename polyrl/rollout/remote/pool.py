@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
+from polyrl.errors import TrainingError
 from polyrl.rollout.episodes import Episode
 from polyrl.rollout.generator import SamplingParams
 from polyrl.rollout.remote.worker import RolloutWorker, WorkerReply, WorkerSpec
@@ -35,8 +36,8 @@ MAX_RESTARTS = 8  # per actor: Ray restarts a dead actor and re-issues its in-fl
 REPLY_TIMEOUT_S = 3600.0  # a call that takes longer than this is a hang, not a slow batch
 
 
-class WorkerError(RuntimeError):
-    """A generator actor failed for good (its restarts ran out, or its code raised)."""
+class WorkerError(TrainingError):
+    """The rollout workers cannot go on: Ray is missing or unreachable, an actor's restarts ran out, its code raised."""
 
 
 @dataclass
@@ -64,7 +65,12 @@ class WorkerPool:
         if self.owns_ray:
             quiet = dict(include_dashboard=False, logging_level="ERROR", log_to_driver=False)
             if address:
-                ray.init(address=address, **quiet)
+                try:
+                    ray.init(address=address, **quiet)
+                except ConnectionError as e:
+                    raise WorkerError(f"ray_address = {address!r}: {e}; a cluster with token authentication (Ray's "
+                                      "default) also needs RAY_AUTH_MODE=token and its token (RAY_AUTH_TOKEN or "
+                                      "~/.ray/auth_token) here, or use 'auto' on one of its nodes") from None
             else:  # "local": always a fresh instance, never one that RAY_ADDRESS or another run points at
                 ray.init(address="local", num_cpus=max(cpus or os.cpu_count() or 1, workers),
                          num_gpus=None if gpus_per_worker else 0, **quiet)
