@@ -104,6 +104,7 @@ def resolve_train(args: argparse.Namespace) -> TrainPlan:
         values, overrides, changes = _resume_settings(run_dir, values, overrides, notes)
     cfg = build_config(values)
     cfg.run_dir = run_dir
+    _processes_from_launcher(cfg, getattr(args, "nproc", None) is not None)
     validate(cfg)
     method = method_from_overrides(cfg.method, overrides)
     if cfg.agency.baseline is not None and not method.corrections and "correction" not in overrides:
@@ -144,6 +145,19 @@ def resolve_train(args: argparse.Namespace) -> TrainPlan:
         raise ConfigError(f"run_dir = {run_dir!r} already holds a run with no checkpoint to resume; pass "
                           "--overwrite to start over, or another --run-dir")
     return plan
+
+
+def _processes_from_launcher(cfg: TrainConfig, given: bool) -> None:
+    """Under torchrun the launcher decides the processes: ``nproc`` records them (config.json, the rules that
+    depend on it); a different ``--nproc`` given with it is refused."""
+    from polyrl.launch import local_processes, under_launcher
+
+    if not under_launcher():
+        return
+    if given and cfg.scale.nproc != local_processes():
+        raise ConfigError(f"nproc = {cfg.scale.nproc} differs from the {local_processes()} processes torchrun started "
+                          "on this machine (--nproc-per-node); leave --nproc out under torchrun")
+    cfg.scale.nproc = local_processes()
 
 
 def check_combinations(cfg: TrainConfig, method, task) -> None:
@@ -248,9 +262,6 @@ def build_components(cfg: TrainConfig, method, task, model_dir: str) -> Componen
     from polyrl.tasks.rewards import RewardChannels, parse_reward_specs
 
     ranks = init_from_env()  # (rank, world size) under torchrun / --nproc; None in one process
-    if ranks is not None and cfg.sampler == "tree" and cfg.tree.predictor == "likelihood":
-        raise ConfigError("tree_predictor = 'likelihood' scores with the learner on rank 0 alone, which a sharded "
-                          "learner cannot do; use history or shared with several processes")
     rewards = RewardChannels(task, *parse_reward_specs(cfg.reward_funcs, cfg.reward_weights))
     policy, tokenizer = load_policy(model_dir, dtype=cfg.dtype, threads=_trainer_threads(cfg))
     # The reference is a frozen copy of the starting model (synced to the policy by Humanline presets).
@@ -267,7 +278,7 @@ def build_components(cfg: TrainConfig, method, task, model_dir: str) -> Componen
         return Components(source=RankSource(None), evaluate=RankEvaluator(None), writes=False, **parts)
     arbiter = None
     if cfg.agency.baseline is not None:  # agency transfer: a frozen baseline acts first, the learner takes over
-        baseline, _ = load_policy(cfg.agency.baseline, dtype=cfg.dtype)
+        baseline, _ = load_policy(cfg.agency.baseline, dtype=cfg.dtype, threads=_trainer_threads(cfg))
         arbiter = generator.arbiter = AgencyArbiter(baseline, parse_schedule(cfg.agency.schedule),
                                                     mode=cfg.agency.mode)
     runner = EpisodeRunner(generator, tokenizer, task, own_weights=ranks is not None)
@@ -316,7 +327,7 @@ def _group_source(cfg: TrainConfig, runner, rewards, sampling):
 
 def _rollout_runner(cfg: TrainConfig, method, learner, local, arbiter, model_dir: str):
     """The runner sources sample with: ``local`` (this process), or Ray rollout workers when asked for."""
-    actors = cfg.rollout.actors(cfg.prefetch.staleness)
+    actors = cfg.scale.actors(cfg.prefetch.staleness)
     if not actors:
         return local
     from polyrl.rollout.remote import RemoteRunner, WorkerPool, WorkerSpec
@@ -327,8 +338,8 @@ def _rollout_runner(cfg: TrainConfig, method, learner, local, arbiter, model_dir
                       threads=_generator_threads(cfg), baseline_dir=cfg.agency.baseline, agency_mode=cfg.agency.mode,
                       reference=method.needs_ref and not method.ref_sync_every,
                       logprob_kwargs=dict(micro_batch_size=cfg.micro_batch_size, **learner.sampling))
-    pool = WorkerPool(spec, workers=actors, address=cfg.rollout.ray_address, cpus=cfg.rollout.ray_cpus,
-                      gpus_per_worker=cfg.rollout.worker_gpus, weights=local.generator.model.state_dict)
+    pool = WorkerPool(spec, workers=actors, address=cfg.scale.ray_address, cpus=cfg.scale.ray_cpus,
+                      gpus_per_worker=cfg.scale.rollout_worker_gpus, weights=local.generator.model.state_dict)
     return RemoteRunner(local, pool, arbiter)
 
 
@@ -357,16 +368,16 @@ def _cores(cfg: TrainConfig) -> int:
 def _generator_threads(cfg: TrainConfig) -> int:
     """Threads of each rollout worker: the cores shared by the workers; half of them when they generate while
     the trainer trains (asynchronous), all of them when the trainer waits for them (synchronous)."""
-    actors = cfg.rollout.actors(cfg.prefetch.staleness)
+    actors = cfg.scale.actors(cfg.prefetch.staleness)
     cores = _cores(cfg) // 2 if cfg.prefetch.staleness else _cores(cfg)
     return max(1, cores // max(1, actors))
 
 
 def _trainer_threads(cfg: TrainConfig) -> int | None:
     """Threads of each training process: the cores left by asynchronous workers, shared by the ranks."""
-    from polyrl.launch import world
+    from polyrl.launch import local_processes
 
-    ranks = world()[1]
+    ranks = local_processes()
     if cfg.prefetch.staleness:
         return max(1, (_cores(cfg) - _cores(cfg) // 2) // ranks)
     return max(1, _cores(cfg) // ranks) if ranks > 1 else cfg.threads or None

@@ -204,9 +204,9 @@ def cmd_train(args: argparse.Namespace) -> int:
         cfg.model = ws.path
         console.print(f"warm start: {cfg.model} ({'cached' if ws.cached else f'{ws.seconds:.0f} s'}, "
                       f"accuracy {ws.accuracy:.3f})")
-    if cfg.dist.nproc > 1 and not under_launcher():  # the same command as N ranks (torch.distributed.run)
-        console.print(f"starting {cfg.dist.nproc} training processes (FSDP2)")
-        return relaunch(cfg.dist.nproc, [*args.argv, "--model", cfg.model])
+    if cfg.scale.nproc > 1 and not under_launcher():  # the same command as N ranks (torch.distributed.run)
+        console.print(f"starting {cfg.scale.nproc} training processes (FSDP2)")
+        return relaunch(cfg.scale.nproc, [*args.argv, "--model", cfg.model])
     if world()[0] != 0:
         return 0 if train(cfg, method, model_dir=cfg.model, task=task, run_dir=run_dir, console=console) else 1
     Path(run_dir).mkdir(parents=True, exist_ok=True)
@@ -358,7 +358,7 @@ def build_parser(*, family: str | None = None) -> OneLineParser:
     p.set_defaults(fn=cmd_train)
 
     p = sub.add_parser("export", help="write a checkpoint's policy as a plain Hugging Face directory")
-    p.add_argument("checkpoint", help="a checkpoint directory: RUN_DIR/checkpoints/step_XXXXXX (either layout)")
+    p.add_argument("checkpoint", help="a checkpoint directory: RUN_DIR/checkpoints/step_000050 (either layout)")
     p.add_argument("out", help="the directory to write (config, tokenizer, model.safetensors)")
     p.add_argument("--model", default=None,
                    help="the run's starting model directory (config and tokenizer); default: the run's config.json")

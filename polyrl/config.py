@@ -2,11 +2,11 @@
 
 ``TrainConfig`` holds the core settings and nests each feature's own dataclass: ``tree``
 (``rollout/tree/config.py``), ``agency`` (``rollout/agency/config.py``), ``prefetch``
-(``rollout/source.py``), ``rollout`` (Ray rollout workers, ``rollout/remote/config.py``), ``dist``
-(training processes, ``launch.py``), ``critic`` (``learner/config.py``) and ``guard`` (``guard.py``). Users name
-every setting flat: ``--tree-roots`` / ``tree_roots`` is ``cfg.tree.roots``, and a feature's own switch
-keeps its name (``--agency DIR``, ``--guard``). ``settings`` lists them; ``add_config_args`` turns them
-into flags (help text = the field's docstring), ``load_toml`` reads a file of flat keys or feature tables
+(``rollout/source.py``), ``scale`` (Ray rollout workers and training processes, ``launch.py``),
+``critic`` (``learner/config.py``) and ``guard`` (``guard.py``). Users name every setting flat:
+``--tree-roots`` / ``tree_roots`` is ``cfg.tree.roots``, and a feature's own switch keeps its name
+(``--agency DIR``, ``--guard``). ``settings`` lists them; ``add_config_args`` turns them into flags
+(help text = the field's docstring), ``load_toml`` reads a file of flat keys or feature tables
 (``[tree]`` then ``roots = "sample"``), ``build_config`` type-checks flat values into the nested config,
 ``to_dict`` gives the flat record (a run's ``config.json``), and ``validate`` raises ConfigError with one
 line naming the setting, the value and what is allowed. Nothing here imports torch.
@@ -29,10 +29,9 @@ from pathlib import Path
 from typing import Any, Literal, NamedTuple
 
 from polyrl.guard import GuardConfig
-from polyrl.launch import DistConfig
+from polyrl.launch import ScaleConfig
 from polyrl.learner.config import CriticConfig
 from polyrl.rollout.agency.config import AgencyConfig
-from polyrl.rollout.remote.config import WorkersConfig
 from polyrl.rollout.source import PrefetchConfig
 from polyrl.rollout.tree.config import TreeConfig
 
@@ -102,10 +101,8 @@ class TrainConfig:
     """agency transfer: flags --agency DIR, --agency-*, TOML table [agency]"""
     prefetch: PrefetchConfig = field(default_factory=PrefetchConfig)
     """asynchronous generation: flag --async-staleness, TOML table [async]"""
-    rollout: WorkersConfig = field(default_factory=WorkersConfig)
-    """Ray rollout workers: flags --rollout-workers, --ray-address, --ray-cpus, --rollout-worker-gpus, TOML [rollout]"""
-    dist: DistConfig = field(default_factory=DistConfig)
-    """training processes (FSDP2): flag --nproc, TOML table [dist]"""
+    scale: ScaleConfig = field(default_factory=ScaleConfig)
+    """Ray rollout workers and FSDP2 training processes: --rollout-workers, --ray-*, --nproc, TOML table [scale]"""
     critic: CriticConfig = field(default_factory=CriticConfig)
     """the critic of GAE presets: flags --critic-lr, --value-clip, TOML table [critic]"""
     eval_every: int = 25
@@ -337,6 +334,9 @@ def validate(config: TrainConfig) -> None:
     _rule("nproc", cfg.nproc, cfg.nproc >= 1, "must be an integer >= 1")
     _rule("nproc", cfg.nproc, cfg.nproc == 1 or not cfg.guard,
           "does not combine with --guard (the guard's rollback runs in one process)")
+    _rule("nproc", cfg.nproc, cfg.nproc == 1 or cfg.sampler != "tree" or cfg.tree_predictor != "likelihood",
+          "does not combine with tree_predictor = 'likelihood' (it scores with the learner on rank 0 alone, which a "
+          "sharded learner cannot do); use history or shared")
     if cfg.sampler == "tree":
         _rule("sampler", cfg.sampler, cfg.group_size >= 2, "'tree' needs group_size >= 2")
     # settings of a feature that is off would be silently ignored: refuse them

@@ -30,6 +30,9 @@ class RewardError(Exception):
         self.step: int | None = None
         self.log_path: str | None = None
 
+    def __reduce__(self):  # pickled whole: rank 0 sends it to the other training processes
+        return type(self), (self.function, self.problem), self.__dict__
+
     def __str__(self) -> str:
         where = [f"step {self.step}"] if self.step is not None else []
         if self.completion is not None:

@@ -1,4 +1,6 @@
-"""Training across processes: ``polyrl train --nproc N`` runs itself under PyTorch's elastic launcher.
+"""Where a run computes: ``ScaleConfig`` (Ray rollout workers, training processes) and the launch under torchrun.
+
+Rollout workers (``--rollout-workers N``, built in ``rollout/remote/``) generate on Ray actors. Training processes:
 
 ``--nproc N`` (N >= 2) re-executes the same command as ``torchrun --standalone --nproc-per-node N -m polyrl
 ...`` (``torch.distributed.run``, the code behind ``torchrun``: rendezvous on 127.0.0.1, one process per
@@ -16,13 +18,26 @@ from typing import ClassVar
 
 
 @dataclass
-class DistConfig:
-    """Training processes: flag ``--nproc``, TOML table ``[dist]``, ``TrainConfig.dist``."""
+class ScaleConfig:
+    """Where the run computes: flags ``--rollout-workers``, ``--ray-*``, ``--rollout-worker-gpus``, ``--nproc``;
+    TOML table ``[scale]``; ``TrainConfig.scale``. Batches and gradients do not depend on these settings."""
 
-    PREFIX: ClassVar[str] = "dist"
+    PREFIX: ClassVar[str] = "scale"
 
+    rollout_workers: int = field(default=0, metadata={"flag": "rollout_workers"})
+    """Ray generator actors that sample the rollouts (0 = in the trainer process; --async-staleness k > 0 uses 1)"""
+    ray_address: str | None = field(default=None, metadata={"flag": "ray_address"})
+    """join this Ray cluster ('auto' or HOST:PORT) instead of starting a local Ray instance (stopped at the end)"""
+    ray_cpus: int = field(default=0, metadata={"flag": "ray_cpus"})
+    """CPUs of the local Ray instance polyrl starts (0 = the machine's cores)"""
+    rollout_worker_gpus: float = field(default=0.0, metadata={"flag": "rollout_worker_gpus"})
+    """GPUs each generator actor asks Ray for (0 = none; 1 puts each actor on a GPU of its own)"""
     nproc: int = field(default=1, metadata={"flag": "nproc"})
     """training processes on this machine, sharding policy, reference and critic with FSDP2 (1 = one process)"""
+
+    def actors(self, staleness: int) -> int:
+        """How many generator actors run: ``rollout_workers``, or one when only asynchronous generation asks."""
+        return self.rollout_workers or (1 if staleness else 0)
 
 
 def under_launcher() -> bool:
@@ -35,6 +50,11 @@ def world() -> tuple[int, int]:
     if not under_launcher():
         return 0, 1
     return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+
+
+def local_processes() -> int:
+    """Training processes on this machine: torchrun's LOCAL_WORLD_SIZE, 1 outside a launcher."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if under_launcher() else 1
 
 
 def relaunch(nproc: int, argv: list[str]) -> int:

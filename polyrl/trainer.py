@@ -84,6 +84,14 @@ def train(cfg: TrainConfig, method: Method, *, model_dir: str, task: Task, run_d
 
     _seed_everything(cfg.seed)
     parts = build_components(cfg, method, task, model_dir)
+    try:
+        return _train(cfg, method, parts, task=task, model_dir=model_dir, run_dir=run_dir, console=console)
+    finally:
+        parts.source.close()  # rollout workers and Ray stop whatever happened, before the loop too
+
+
+def _train(cfg: TrainConfig, method: Method, parts: Components, *, task: Task, model_dir: str, run_dir: str,
+           console: Console | None) -> dict[str, Any]:
     console = (console or Console()) if parts.writes else Console(quiet=True)  # one process of several speaks
     stream = PromptStream.of(task, cfg.seed, cfg.train_prompts or 100_000)
     run = Path(run_dir)
@@ -120,7 +128,7 @@ def train(cfg: TrainConfig, method: Method, *, model_dir: str, task: Task, run_d
                     metrics = rl_step(cfg, method, state, parts, stream)
                 except RewardError as e:  # one line on the console; the reward function's traceback in the run dir
                     e.step, e.log_path = state.step, str(run / "errors.log")
-                    if e.traceback:
+                    if e.traceback and parts.writes:
                         with open(e.log_path, "a") as log:
                             log.write(f"{e}\n{e.traceback}\n")
                     raise

@@ -9,3 +9,8 @@ def digit_fraction(prompts, completions, **kwargs):
 def even_length(prompts, completions, **kwargs):
     """1 for a completion of even length: about half succeed for any model, so groups are mixed."""
     return [float(len(c) % 2 == 0) for c in completions]
+
+
+def zero(prompts, completions, **kwargs):
+    """0 for everything: every group has zero variance, so a group filter drops them all."""
+    return [0.0 for _ in completions]

@@ -65,3 +65,12 @@ def test_two_processes_with_a_ray_rollout_worker_train_like_one(model, one, tmp_
     for a, b in zip(one, both):
         assert b["perf/grad_norm"] == pytest.approx(a["perf/grad_norm"], rel=1e-4)
     assert all(r["rollout/worker_restarts"] == 0 and r["perf/weight_sync_s"] > 0 for r in both)
+
+
+def test_an_empty_step_keeps_every_process_in_step(model, tmp_path):
+    """dapo drops every zero-variance group: with a constant reward no step has a batch, and rank 0's empty step
+    reaches the other rank whole (no hang, no unpicklable exception)."""
+    rows = _train(tmp_path / "empty", model, "--nproc", "2", "--method", "dapo", "--reward-funcs",
+                  "tests.reward_fns:zero", "--max-gen-rounds", "1")
+    steps = [r for r in rows if "rollout/empty_steps" in r]
+    assert [r["rollout/empty_steps"] for r in steps] == [1, 2, 3]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 import signal
 import time
 
@@ -21,7 +22,7 @@ from polyrl.rollout.agency.arbiter import AgencyArbiter
 from polyrl.rollout.episodes import EpisodeRunner, prefix_episode
 from polyrl.rollout.generator import SamplingParams
 from polyrl.rollout.group import GroupSource
-from polyrl.rollout.remote import RemoteRunner, WorkerPool, WorkerSpec
+from polyrl.rollout.remote import RemoteRunner, WorkerError, WorkerPool, WorkerSpec
 from polyrl.rollout.remote.prefetch import Prefetch
 from polyrl.rollout.source import PromptStream
 from polyrl.rollout.tree.config import TreeConfig
@@ -206,3 +207,30 @@ def test_a_killed_worker_is_restarted_and_its_calls_reissued(cluster, models):
         assert victim not in remote.pool.pids()
     finally:
         remote.close()
+
+
+def test_what_ray_could_never_place_or_would_ignore_is_refused_in_one_line(cluster, models):
+    spec = WorkerSpec(models[0], AdditionTask())
+    weights = lambda: {}  # noqa: E731  (never called: nothing starts)
+    for kwargs, says in [(dict(workers=5), "5 rollout workers need 5 CPU (the cluster has 4)"),
+                         (dict(workers=1, gpus_per_worker=1.0), "need 1 GPU (the cluster has 0)"),
+                         (dict(workers=1, address="auto"), "Ray is already running in this process"),
+                         (dict(workers=1, cpus=2), "ray_cpus = 2 would be ignored")]:
+        with pytest.raises(WorkerError, match=re.escape(says)) as e:
+            WorkerPool(spec, weights=weights, **kwargs)
+        assert "\n" not in str(e.value)
+
+
+def test_exceptions_rank_0_broadcasts_survive_pickling():
+    """Rank 0 sends an empty step (NoUsableGroups) or a reward failure to the other ranks whole."""
+    import pickle
+
+    from polyrl.errors import RewardError
+    from polyrl.rollout.collect import NoUsableGroups
+
+    empty = pickle.loads(pickle.dumps(NoUsableGroups("every group filtered", {"rollout/generated": 8.0})))
+    assert str(empty) == "every group filtered" and empty.stats == {"rollout/generated": 8.0}
+    error = RewardError("my.fn", "returned NaN", completion=3, prompt_index=1, traceback="tb")
+    error.step = 7
+    again = pickle.loads(pickle.dumps(error))
+    assert str(again) == str(error) and again.traceback == "tb" and again.step == 7

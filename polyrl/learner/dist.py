@@ -19,9 +19,12 @@ import torch.distributed as dist
 from torch import Tensor
 
 
-def init_from_env(timeout_s: float = 1800.0) -> tuple[int, int] | None:
+def init_from_env(timeout_s: float = 4 * 3600.0) -> tuple[int, int] | None:
     """Join the process group that torchrun's variables describe; return (rank, world size), or None when
-    WORLD_SIZE is unset (a plain single-process run). Idempotent: an initialised group is kept."""
+    WORLD_SIZE is unset (a plain single-process run). Idempotent: an initialised group is kept.
+
+    The timeout is long on purpose: while rank 0 generates and evaluates alone (rollout workers included), the
+    other ranks wait in a broadcast of the batch, and a long step must not read as a dead rank."""
     if "WORLD_SIZE" not in os.environ:
         return None
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])

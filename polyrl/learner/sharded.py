@@ -1,6 +1,6 @@
 """Sharded checkpoints through ``torch.distributed.checkpoint`` (DCP), and their export as a Hugging Face directory.
 
-Layout, beside the single-file one of ``polyrl.checkpoint`` and in the same ``run_dir/checkpoints/step_XXXXXX``
+Layout, beside the single-file one of ``polyrl.checkpoint`` and in the same ``run_dir/checkpoints/step_000123``
 place: ``dcp/`` holds the DCP shards (``__<rank>_0.distcp``) and their ``.metadata``, keyed ``model``, ``optimizer``
 and, when present, ``critic``, ``critic_optimizer``, ``reference``; ``trainer_state.pt`` (written by rank 0) holds
 the scheduler, rank 0's RNG states and the trainer's state; ``meta.json`` has ``"layout": "dcp"``, the world size

@@ -31,6 +31,9 @@ class NoUsableGroups(RuntimeError):
         super().__init__(message)
         self.stats = stats
 
+    def __reduce__(self):  # pickled whole: rank 0 sends it to the other training processes
+        return type(self), (self.args[0], self.stats)
+
 
 @dataclass
 class RolloutBatch:

@@ -1,16 +1,15 @@
 """Rollout workers on Ray: generator actors that sample episodes for the trainer, synchronously or ahead of it.
 
-``config`` (the settings, torch-free), ``worker`` (what runs inside an actor), ``pool`` (starting Ray and
+Settings: ``launch.ScaleConfig``. ``worker`` (what runs inside an actor), ``pool`` (starting Ray and
 the actors, the weight broadcast, dispatch, restarts), ``runner`` (the pool behind the runner interface the
-sources already use), ``prefetch`` (the batches of the next k steps). Imports nothing until a name is used,
-so that the settings stay importable without torch or ray.
+sources already use), ``prefetch`` (the batches of the next k steps). Imports nothing until a name is used.
 """
 
 from __future__ import annotations
 
 import importlib
 
-_EXPORTS = {"WorkersConfig": "config", "WorkerPool": "pool", "RemoteRunner": "runner", "Prefetch": "prefetch",
+_EXPORTS = {"WorkerPool": "pool", "RemoteRunner": "runner", "Prefetch": "prefetch",
             "WorkerSpec": "worker", "WorkerError": "pool"}
 __all__ = list(_EXPORTS)
 

@@ -62,23 +62,16 @@ class WorkerPool:
         if workers < 1:
             raise ValueError(f"workers must be >= 1, got {workers}")
         self.owns_ray = not ray.is_initialized()
+        if not self.owns_ray and (address or cpus):
+            raise WorkerError(f"Ray is already running in this process, so ray_address = {address!r} and ray_cpus = "
+                              f"{cpus} would be ignored; leave them out to use it, or run polyrl in its own process")
         if self.owns_ray:
-            quiet = dict(include_dashboard=False, logging_level="ERROR", log_to_driver=False)
-            if address:
-                try:
-                    ray.init(address=address, **quiet)
-                except ConnectionError as e:
-                    raise WorkerError(f"ray_address = {address!r}: {e}; a cluster with token authentication (Ray's "
-                                      "default) also needs RAY_AUTH_MODE=token and its token (RAY_AUTH_TOKEN or "
-                                      "~/.ray/auth_token) here, or use 'auto' on one of its nodes") from None
-            else:  # "local": always a fresh instance, never one that RAY_ADDRESS or another run points at
-                ray.init(address="local", num_cpus=max(cpus or os.cpu_count() or 1, workers),
-                         num_gpus=None if gpus_per_worker else 0, **quiet)
+            _start_ray(address, max(cpus or os.cpu_count() or 1, workers), gpus_per_worker)
+        _check_resources(ray.cluster_resources(), workers, gpus_per_worker)
         actor = ray.remote(RolloutWorker).options(max_restarts=MAX_RESTARTS, max_task_retries=MAX_RESTARTS,
                                                   num_cpus=1, num_gpus=gpus_per_worker)
         self.actors = [actor.remote(spec) for _ in range(workers)]
-        self.incarnations: list[str | None] = [None] * workers
-        self.restarts = 0
+        self.incarnations: list[set[str]] = [set() for _ in range(workers)]  # every incarnation seen, per actor
         self._weights, self._ref, self._next_id = weights, None, 0
         self._busy_s = self._load_s = 0.0
         self._since = time.perf_counter()  # start of the period take_stats reports on
@@ -87,6 +80,11 @@ class WorkerPool:
     @property
     def size(self) -> int:
         return len(self.actors)
+
+    @property
+    def restarts(self) -> int:
+        """Actor restarts seen so far (a restart shows as a new incarnation in a reply)."""
+        return sum(max(0, len(seen) - 1) for seen in self.incarnations)
 
     def publish(self, weights: Callable[[], dict[str, Tensor]]) -> None:
         """New trainer weights: the next call sends them (``weights()`` is called then, once)."""
@@ -114,21 +112,24 @@ class WorkerPool:
     def wait(self, pending: Pending) -> list[Episode]:
         """The episodes of ``pending``, complete, in order; the given Episode objects are updated in place."""
         import ray
-        from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+        from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
 
         try:
             replies: list[WorkerReply] = ray.get(pending.refs, timeout=REPLY_TIMEOUT_S)
         except RayTaskError as e:
             raise WorkerError(f"a rollout worker raised: {e.cause!r}") from None
         except RayActorError as e:
+            cause = getattr(e, "cause", None)  # a failure in the actor's start-up (a model directory missing...)
+            if isinstance(cause, RayTaskError):
+                raise WorkerError(f"a rollout worker failed to start: {cause.cause!r}") from None
             raise WorkerError(f"a rollout worker died and could not be restarted ({MAX_RESTARTS} restarts "
                               f"allowed): {str(e).splitlines()[0]}") from None
         except GetTimeoutError:
             raise WorkerError(f"no reply from the rollout workers in {REPLY_TIMEOUT_S:.0f} s") from None
+        except RayError as e:  # out of memory, a lost object, ...
+            raise WorkerError(f"the rollout workers failed: {type(e).__name__}: {str(e).splitlines()[0]}") from None
         for actor, (a, b), reply in zip(pending.actors, pending.bounds, replies):
-            if self.incarnations[actor] not in (None, reply.incarnation):
-                self.restarts += 1
-            self.incarnations[actor] = reply.incarnation
+            self.incarnations[actor].add(reply.incarnation)
             for mine, got in zip(pending.episodes[a:b], reply.episodes):
                 got.prompt = mine.prompt  # keep the caller's Prompt objects
                 vars(mine).update(vars(got))
@@ -172,3 +173,46 @@ class WorkerPool:
                 ray.kill(a, no_restart=True)
         if self.owns_ray:
             ray.shutdown()
+
+
+def _start_ray(address: str | None, cpus: int, gpus_per_worker: float) -> None:
+    """Join the cluster at ``address``, or start a fresh local instance (never one RAY_ADDRESS points at).
+
+    Under several training processes (torchrun) the local instance gets the GPUs the ranks do not use, so that
+    generator actors never land on a trainer's device (separated placement).
+    """
+    import ray
+
+    quiet = dict(include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    if address:
+        try:
+            ray.init(address=address, **quiet)
+        except ConnectionError as e:
+            raise WorkerError(f"ray_address = {address!r}: {e}; a cluster with token authentication (Ray's "
+                              "default) also needs RAY_AUTH_MODE=token and its token (RAY_AUTH_TOKEN or "
+                              "~/.ray/auth_token) here, or use 'auto' on one of its nodes") from None
+        return
+    saved = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "0"))
+    if gpus_per_worker and ranks:
+        import torch
+
+        free = [str(i) for i in range(ranks, torch.cuda.device_count())]  # rank r trains on GPU r (LOCAL_RANK)
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(free)
+    try:
+        ray.init(address="local", num_cpus=cpus, num_gpus=None if gpus_per_worker else 0, **quiet)
+    finally:  # this process's own view of its devices is unchanged
+        if saved is None:
+            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = saved
+
+
+def _check_resources(have: dict, workers: int, gpus_per_worker: float) -> None:
+    """Refuse at once what Ray could never place (its actors would wait for resources forever)."""
+    need = {"CPU": float(workers), "GPU": workers * gpus_per_worker}
+    short = {k: v for k, v in need.items() if v > have.get(k, 0.0) + 1e-9}
+    if short:
+        said = ", ".join(f"{v:g} {k} (the cluster has {have.get(k, 0.0):g})" for k, v in short.items())
+        raise WorkerError(f"{workers} rollout workers need {said}; lower --rollout-workers or "
+                          "--rollout-worker-gpus, or give Ray more (--ray-cpus, a bigger cluster)")

@@ -57,12 +57,16 @@ class RolloutWorker:
     """A generator actor's body (see the module docstring)."""
 
     def __init__(self, spec: WorkerSpec) -> None:
+        import ray
+
         from polyrl.model import load_policy
         from polyrl.rollout.agency.arbiter import AgencyArbiter
         from polyrl.rollout.hf import HFGenerator
 
         self.incarnation = uuid.uuid4().hex
-        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # Ray sets CUDA_VISIBLE_DEVICES
+        # The GPU Ray assigned (--rollout-worker-gpus), else the CPU: an actor that asked for no GPU must not take
+        # one (Ray leaves CUDA_VISIBLE_DEVICES alone for it).
+        device = torch.device("cuda" if ray.get_gpu_ids() and torch.cuda.is_available() else "cpu")
         model, tokenizer = load_policy(spec.model_dir, dtype=spec.dtype, threads=spec.threads)
         self.generator = HFGenerator(model.to(device), tokenizer, fp32_head=spec.fp32_head)
         if spec.baseline_dir is not None:  # beta comes with every call; the schedule stays with the driver
