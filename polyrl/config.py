@@ -47,12 +47,12 @@ class TrainConfig:
     method: str = "grpo"
     """preset name (see `polyrl methods`)"""
     task: str = "addition"
-    """task name: addition, addition_mixed, calculator (tool use), countdown, math (needs --data-file)"""
+    """task name: addition, addition_mixed, calculator (tool use), countdown, math or code (both need --data-file)"""
     data_file: str | None = None
     """math task: local JSONL, JSON or Parquet file with a question (or problem, prompt) and an answer (or solution,
-    ground_truth) column"""
+    ground_truth) column; code task: JSONL with prompt, tests (asserts) and optional entry_point"""
     heldout_percent: int = 10
-    """math task: percent of the data file's rows held out for evaluation (chosen by a hash of the question)"""
+    """math or code task: percent of the data file's rows held out for evaluation (chosen by a hash of the prompt)"""
     reward_funcs: str | None = None
     """comma-separated reward functions (module:function or file.py:function; 'task' = the task's checker)"""
     reward_weights: str | None = None
@@ -373,6 +373,8 @@ def validate(config: TrainConfig) -> None:
           f"must divide prompts_per_step * group_size = {batch}")
     if cfg.model is not None:
         _rule("model", cfg.model, Path(cfg.model).is_dir(), "must be an existing local model directory")
+    _rule("task", cfg.task, cfg.task != "code" or cfg.model is not None,
+          "has no warm start (its rows are problems with tests, not answers to imitate): pass --model DIR")
     if cfg.data_file is not None:
         _rule("data_file", cfg.data_file, Path(cfg.data_file).is_file(),
               "must be an existing JSONL, JSON or Parquet file")

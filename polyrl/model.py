@@ -102,15 +102,15 @@ def process_logits(
 
 
 def linear_head(model: nn.Module) -> nn.Linear:
-    """Return the model's LM head, refusing models whose logits are more than ``head(hidden)``.
+    """Return the model's LM head, refusing models whose logits are more than ``head(hidden)``, soft-capped.
 
-    Both the sampler and ``completion_logprobs`` compute logits as ``head_logits(hidden, head)``
-    from the base model's final hidden states, so a model that rescales or soft-caps its logits
-    (Gemma 2, Cohere, Granite) would be silently wrong: it is refused with a clear error instead.
+    Both the sampler and ``completion_logprobs`` compute logits as ``head_logits(hidden, head,
+    softcap=logit_softcap(model))`` from the base model's final hidden states, so a model that
+    rescales its logits (Cohere, Granite) would be silently wrong: it is refused with a clear error
+    instead. Final-logit soft-capping (Gemma 2) is applied by ``head_logits``.
     """
+    logit_softcap(model)  # refuses a cap the architecture does not apply
     config = model.config.to_dict()
-    if config.get("final_logit_softcapping") is not None:
-        raise ValueError("models with final_logit_softcapping (Gemma 2/3) are not supported")
     for key in ("logit_scale", "logits_scaling"):
         if config.get(key) not in (None, 1.0):
             raise ValueError(f"models with {key}={config[key]} (rescaled logits) are not supported")
@@ -120,18 +120,40 @@ def linear_head(model: nn.Module) -> nn.Linear:
     return head
 
 
-def head_logits(states: Tensor, head: nn.Linear, *, fp32_head: bool = False) -> Tensor:
+def logit_softcap(model: nn.Module) -> float | None:
+    """The model's final-logit soft-cap ``c`` (logits -> c * tanh(logits / c); Gemma 2), or None.
+
+    Only an architecture whose config class declares ``final_logit_softcapping`` applies it in
+    transformers; the attribute set on any other config (which transformers would ignore) is refused
+    as ambiguous.
+    """
+    cap = getattr(model.config, "final_logit_softcapping", None)
+    if cap is None:
+        return None
+    if not hasattr(type(model.config), "final_logit_softcapping"):
+        raise ValueError(
+            f"final_logit_softcapping={cap} is set on a {type(model.config).__name__}, whose model does not "
+            "apply it: not supported (ambiguous logits)"
+        )
+    return float(cap)
+
+
+def head_logits(states: Tensor, head: nn.Linear, *, fp32_head: bool = False, softcap: float | None = None) -> Tensor:
     """Logits [..., V] of hidden states [..., H], upcast to at least float32.
 
     ``fp32_head`` (ScaleRL, arXiv 2510.13786) casts the states and the head weights to float32
-    before the matmul instead of only upcasting its result.
+    before the matmul instead of only upcasting its result. ``softcap`` (``logit_softcap(model)``)
+    soft-caps the upcast logits as transformers does: ``softcap * tanh(logits / softcap)``.
     """
     weight, bias = head.weight, head.bias
     if fp32_head:
         states, weight = states.float(), weight.float()
         bias = bias.float() if bias is not None else None
     logits = F.linear(states, weight, bias)
-    return logits.to(torch.promote_types(logits.dtype, torch.float32))
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
+    return logits
 
 
 @dataclass
@@ -210,7 +232,7 @@ def completion_logprobs(
     needs_graph = torch.is_grad_enabled() and (states.requires_grad or head.weight.requires_grad)
     settings = dict(
         temperature=temperature, top_k=top_k, top_p=top_p, with_entropy=with_entropy, topk=topk,
-        fp32_head=fp32_head,
+        fp32_head=fp32_head, softcap=logit_softcap(model),
     )
     pieces: list[tuple[Tensor | None, ...]] = []
     for start in range(0, states.shape[0], chunk_size):
@@ -254,9 +276,10 @@ def _head_chunk(
     with_entropy: bool,
     topk: int,
     fp32_head: bool,
+    softcap: float | None,
 ) -> tuple[Tensor | None, ...]:
     """Head, sampling filters and per-token statistics for N tokens: (logp, entropy, ids, topk_logp)."""
-    logits = head_logits(states, head, fp32_head=fp32_head)  # [N, V]
+    logits = head_logits(states, head, fp32_head=fp32_head, softcap=softcap)  # [N, V]
     logprobs = process_logits(logits, temperature=temperature, top_k=top_k, top_p=top_p).log_softmax(dim=-1)
     logp = logprobs.gather(-1, targets[:, None]).squeeze(-1)  # [N]
     entropy = None

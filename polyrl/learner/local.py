@@ -129,7 +129,7 @@ class ValueHead(nn.Module):
     def forward(self, batch: TokenBatch) -> Tensor:
         """Values [B, T] of the states in which each completion token was chosen."""
         pos = (batch.attention_mask.cumsum(-1) - 1).clamp_min(0)
-        out = self.backbone.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=pos)
+        out = self.backbone.base_model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=pos)
         T = batch.completion_mask.shape[1]
         hidden = out.last_hidden_state[:, -T - 1:-1]  # state before token t predicts token t
         return self.head(hidden.float()).squeeze(-1)

@@ -34,7 +34,7 @@ import torch
 from torch import Tensor, nn
 from transformers import DynamicCache
 
-from polyrl.model import head_logits, linear_head, process_logits
+from polyrl.model import head_logits, linear_head, logit_softcap, process_logits
 from polyrl.rollout.agency.arbiter import AgencyArbiter
 from polyrl.rollout.generator import Sample, SamplingParams, draw_tokens
 
@@ -49,6 +49,7 @@ class HFGenerator:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         self.model = model
         self.head = linear_head(model)
+        self.softcap = logit_softcap(model)  # Gemma 2's final-logit soft-cap, as in completion_logprobs
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size
         self.fp32_head = fp32_head  # float32 LM head, as completion_logprobs(fp32_head=True)
@@ -189,8 +190,11 @@ class HFGenerator:
             use_cache=True,
             **{_cache_keyword(type(model.base_model)): cache},
         ).last_hidden_state[:, -1]
-        head = self.head if model is self.model else linear_head(model)
-        return head_logits(hidden, head, fp32_head=self.fp32_head)
+        if model is self.model:
+            head, softcap = self.head, self.softcap
+        else:
+            head, softcap = linear_head(model), logit_softcap(model)
+        return head_logits(hidden, head, fp32_head=self.fp32_head, softcap=softcap)
 
 
 @functools.cache

@@ -8,6 +8,8 @@ from collections.abc import Callable
 from polyrl.tasks.arithmetic import AdditionTask
 from polyrl.tasks.base import Prompt, Split, Task
 from polyrl.tasks.calculator import CalculatorTask
+from polyrl.tasks.code import COLUMNS_HELP as CODE_COLUMNS_HELP
+from polyrl.tasks.code import CodeTask
 from polyrl.tasks.countdown import CountdownTask
 from polyrl.tasks.math import COLUMNS_HELP, MathTask
 
@@ -18,6 +20,12 @@ def _math(data_file: str | None = None, heldout_percent: int = 10) -> Task:
     return MathTask(data_file, heldout_percent=heldout_percent)
 
 
+def _code(data_file: str | None = None, heldout_percent: int = 10) -> Task:
+    if data_file is None:
+        raise ValueError(f"task 'code' needs --data-file (a local JSONL file with {CODE_COLUMNS_HELP})")
+    return CodeTask(data_file, heldout_percent=heldout_percent)
+
+
 # Task name -> factory; ``data_file`` is passed to every factory that takes it.
 TASKS: dict[str, Callable[..., Task]] = {
     "addition": AdditionTask,
@@ -25,6 +33,7 @@ TASKS: dict[str, Callable[..., Task]] = {
     "countdown": CountdownTask,
     "calculator": CalculatorTask,
     "math": _math,
+    "code": _code,
 }
 
 
@@ -39,4 +48,4 @@ def get_task(name: str, data_file: str | None = None, heldout_percent: int = 10)
     return factory(data_file=data_file, heldout_percent=heldout_percent) if reads_file else factory()
 
 
-__all__ = ["TASKS", "AdditionTask", "CalculatorTask", "Prompt", "Split", "Task", "get_task"]
+__all__ = ["TASKS", "AdditionTask", "CalculatorTask", "CodeTask", "Prompt", "Split", "Task", "get_task"]
