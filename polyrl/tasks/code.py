@@ -22,14 +22,13 @@ from __future__ import annotations
 import ast
 import hashlib
 import json
-import random
 import re
 from pathlib import Path
 from typing import Any
 
 from polyrl.tasks import sandbox
 from polyrl.tasks.base import Prompt, Split
-from polyrl.tasks.math import DataFileError, _json_rows
+from polyrl.tasks.math import DataFileError, _json_rows, draw_split
 
 COLUMNS_HELP = "prompt and tests (a string of Python asserts or a list of them) columns, and an optional entry_point"
 _FENCE = re.compile(r"```[ \t]*(?:python|py|python3)?[ \t]*\n(.*?)(?:```|\Z)", re.DOTALL | re.IGNORECASE)
@@ -151,14 +150,7 @@ class CodeTask:
 
     def prompts(self, split: Split, n: int, seed: int) -> list[Prompt]:
         """``n`` prompts of ``split``, shuffled by ``seed``, cycling through the split when n exceeds it."""
-        pool = self._pools[split]
-        if not pool:  # only the held-out split at heldout_percent = 0: __init__ refuses other empty splits
-            raise DataFileError(f"{self._label} has no held-out split (heldout_percent = {self.heldout_percent}): "
-                                "evaluation needs --heldout-percent > 0")
-        rng, out = random.Random(seed), []
-        while len(out) < n:
-            out.extend(rng.sample(pool, min(len(pool), n - len(out))))
-        return out
+        return draw_split(self._pools[split], n, seed, label=self._label, heldout_percent=self.heldout_percent)
 
     def reward(self, prompt: Prompt, completion_text: str) -> tuple[float, dict[str, Any]]:
         """The share of the prompt's tests that pass when the completion's code runs in the sandbox."""

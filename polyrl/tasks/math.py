@@ -31,6 +31,17 @@ _JSON_KINDS = {list: "an array", str: "a string", int: "a number", float: "a num
                type(None): "null"}
 
 
+
+def draw_split(pool: list[Prompt], n: int, seed: int, *, label: str, heldout_percent: int) -> list[Prompt]:
+    """``n`` prompts of one split of a data file, shuffled by ``seed``, cycling through it when n exceeds it."""
+    if not pool:  # only the held-out split at heldout_percent = 0: the tasks refuse other empty splits
+        raise DataFileError(f"{label} has no held-out split (heldout_percent = {heldout_percent}): "
+                            "evaluation needs --heldout-percent > 0")
+    rng, out = random.Random(seed), []
+    while len(out) < n:
+        out.extend(rng.sample(pool, min(len(pool), n - len(out))))
+    return out
+
 class DataFileError(ValueError):
     """A data file that cannot be used, with a one-line message starting ``data_file 'PATH'``."""
 
@@ -142,14 +153,7 @@ class MathTask:
 
     def prompts(self, split: Split, n: int, seed: int) -> list[Prompt]:
         """``n`` prompts of ``split``, shuffled by ``seed``, cycling through the split when n exceeds it."""
-        pool = self._pools[split]
-        if not pool:  # only the held-out split at heldout_percent = 0: __init__ refuses other empty splits
-            raise DataFileError(f"{self._label} has no held-out split (heldout_percent = {self.heldout_percent}): "
-                                "evaluation needs --heldout-percent > 0")
-        rng, out = random.Random(seed), []
-        while len(out) < n:
-            out.extend(rng.sample(pool, min(len(pool), n - len(out))))
-        return out
+        return draw_split(self._pools[split], n, seed, label=self._label, heldout_percent=self.heldout_percent)
 
     def reward(self, prompt: Prompt, completion_text: str) -> tuple[float, dict[str, Any]]:
         """1.0 when math-verify says the completion's final answer equals the reference."""
