@@ -23,12 +23,11 @@ import ast
 import hashlib
 import json
 import re
-from pathlib import Path
 from typing import Any
 
 from polyrl.tasks import sandbox
 from polyrl.tasks.base import Prompt, Split
-from polyrl.tasks.math import DataFileError, _json_rows, draw_split
+from polyrl.tasks.math import DataFileError, _json_rows, data_file_path, draw_split
 
 COLUMNS_HELP = "prompt and tests (a string of Python asserts or a list of them) columns, and an optional entry_point"
 _FENCE = re.compile(r"```[ \t]*(?:python|py|python3)?[ \t]*\n(.*?)(?:```|\Z)", re.DOTALL | re.IGNORECASE)
@@ -81,16 +80,8 @@ class CodeTask:
 
     def __init__(self, data_file: str, *, heldout_percent: int = 10, cpu_seconds: int = sandbox.CPU_SECONDS,
                  wall_seconds: float = sandbox.WALL_SECONDS, memory_bytes: int = sandbox.MEMORY_BYTES) -> None:
-        if isinstance(heldout_percent, bool) or not isinstance(heldout_percent, int) or \
-                not 0 <= heldout_percent <= 50:
-            raise ValueError(f"heldout_percent (--heldout-percent) must be an integer from 0 to 50, "
-                             f"got {heldout_percent!r}")
-        path = Path(data_file)
-        label = f"data_file {str(path)!r}"
-        if not path.is_file():
-            raise FileNotFoundError(f"{label} does not exist")
-        if path.suffix not in (".jsonl", ".json"):
-            raise DataFileError(f"{label}: the code task reads a .jsonl (or .json) file")
+        path, label = data_file_path(data_file, heldout_percent, (".jsonl", ".json"),
+                                     "the code task reads a .jsonl (or .json) file")
         rows = _json_rows(path, label)
         if not rows:
             raise DataFileError(f"{label} is empty: it needs one JSON object per line with {COLUMNS_HELP}")

@@ -32,6 +32,20 @@ _JSON_KINDS = {list: "an array", str: "a string", int: "a number", float: "a num
 
 
 
+def data_file_path(data_file: str, heldout_percent: int, suffixes: tuple[str, ...], allowed: str) -> tuple[Path, str]:
+    """The checked path of a task's data file and its label for messages (one-line errors otherwise)."""
+    if isinstance(heldout_percent, bool) or not isinstance(heldout_percent, int) or not 0 <= heldout_percent <= 50:
+        raise ValueError(f"heldout_percent (--heldout-percent) must be an integer from 0 to 50, "
+                         f"got {heldout_percent!r}")
+    path = Path(data_file)
+    label = f"data_file {str(path)!r}"
+    if not path.is_file():
+        raise FileNotFoundError(f"{label} does not exist")
+    if path.suffix not in suffixes:
+        raise DataFileError(f"{label}: {allowed}")
+    return path, label
+
+
 def draw_split(pool: list[Prompt], n: int, seed: int, *, label: str, heldout_percent: int) -> list[Prompt]:
     """``n`` prompts of one split of a data file, shuffled by ``seed``, cycling through it when n exceeds it."""
     if not pool:  # only the held-out split at heldout_percent = 0: the tasks refuse other empty splits
@@ -94,16 +108,8 @@ class MathTask:
 
     def __init__(self, data_file: str, *, prompt_key: str | None = None, answer_key: str | None = None,
                  template: str = "{question}\nAnswer: ", heldout_percent: int = 10) -> None:
-        if isinstance(heldout_percent, bool) or not isinstance(heldout_percent, int) or \
-                not 0 <= heldout_percent <= 50:
-            raise ValueError(f"heldout_percent (--heldout-percent) must be an integer from 0 to 50, "
-                             f"got {heldout_percent!r}")
-        path = Path(data_file)
-        label = f"data_file {str(path)!r}"
-        if not path.is_file():
-            raise FileNotFoundError(f"{label} does not exist")
-        if path.suffix not in (".jsonl", ".json", ".parquet"):
-            raise DataFileError(f"{label}: use a .jsonl, .json or .parquet file")
+        path, label = data_file_path(data_file, heldout_percent, (".jsonl", ".json", ".parquet"),
+                                     "use a .jsonl, .json or .parquet file")
         if path.suffix == ".parquet":
             columns, rows = _parquet_rows(path, label)
             unit = "one row per problem"
