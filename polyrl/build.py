@@ -115,7 +115,7 @@ def resolve_train(args: argparse.Namespace) -> TrainPlan:
         method = override(method, corrections=["tis"])
         notes.append("agency transfer: adding the TIS correction (pi_theta / mixture, C = 2) to the method")
     try:
-        task = get_task(cfg.task, data_file=cfg.data_file, heldout_percent=cfg.heldout_percent)
+        task = get_task(cfg.task, data_file=cfg.data.file, heldout_percent=cfg.data.heldout_percent)
         RewardChannels(task, *parse_reward_specs(cfg.reward_funcs, cfg.reward_weights))  # imports them: fail now
     except (ValueError, FileNotFoundError, KeyError) as e:
         raise ConfigError(f"task = {cfg.task!r}: {e}") from None

@@ -3,7 +3,8 @@
 ``TrainConfig`` holds the core settings and nests each feature's own dataclass: ``tree``
 (``rollout/tree/config.py``), ``agency`` (``rollout/agency/config.py``), ``prefetch``
 (``rollout/source.py``), ``scale`` (Ray rollout workers and training processes, ``launch.py``),
-``critic`` (``learner/config.py``) and ``guard`` (``guard.py``). Users name every setting flat:
+``critic`` and ``lora`` (``learner/config.py``), ``engine`` (``rollout/engine_config.py``), ``guard`` (``guard.py``), ``data`` (the data file and the prompt format,
+``tasks/config.py``) and ``log`` (``logconfig.py``). Users name every setting flat:
 ``--tree-roots`` / ``tree_roots`` is ``cfg.tree.roots``, and a feature's own switch keeps its name
 (``--agency DIR``, ``--guard``). ``settings`` lists them; ``add_config_args`` turns them into flags
 (help text = the field's docstring), ``load_toml`` reads a file of flat keys or feature tables
@@ -30,10 +31,13 @@ from typing import Any, Literal, NamedTuple
 
 from polyrl.guard import GuardConfig
 from polyrl.launch import ScaleConfig
-from polyrl.learner.config import CriticConfig
+from polyrl.learner.config import CriticConfig, LoraConfig
+from polyrl.logconfig import LogConfig
 from polyrl.rollout.agency.config import AgencyConfig
+from polyrl.rollout.engine_config import EngineConfig
 from polyrl.rollout.source import PrefetchConfig
 from polyrl.rollout.tree.config import TreeConfig
+from polyrl.tasks.config import DataConfig
 
 
 class ConfigError(ValueError):
@@ -48,11 +52,8 @@ class TrainConfig:
     """preset name (see `polyrl methods`)"""
     task: str = "addition"
     """task name: addition, addition_mixed, calculator (tool use), countdown, math or code (both need --data-file)"""
-    data_file: str | None = None
-    """math task: local JSONL, JSON or Parquet file with a question (or problem, prompt) and an answer (or solution,
-    ground_truth) column; code task: JSONL with prompt, tests (asserts) and optional entry_point"""
-    heldout_percent: int = 10
-    """math or code task: percent of the data file's rows held out for evaluation (chosen by a hash of the prompt)"""
+    data: DataConfig = field(default_factory=DataConfig)
+    """data file and prompt format: --data-file, --heldout-percent, --chat-template, --system-prompt, TOML [data]"""
     reward_funcs: str | None = None
     """comma-separated reward functions (module:function or file.py:function; 'task' = the task's checker)"""
     reward_weights: str | None = None
@@ -105,6 +106,10 @@ class TrainConfig:
     """Ray rollout workers and FSDP2 training processes: --rollout-workers, --ray-*, --nproc, TOML table [scale]"""
     critic: CriticConfig = field(default_factory=CriticConfig)
     """the critic of GAE presets: flags --critic-lr, --value-clip, TOML table [critic]"""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """LoRA adapters through PEFT: flags --lora-*, TOML table [lora]"""
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    """the generation engine: flags --generator, --vllm-*, TOML table [vllm]"""
     eval_every: int = 25
     """held-out greedy evaluation every N steps (0 = only before and after)"""
     eval_prompts: int = 200
@@ -129,12 +134,8 @@ class TrainConfig:
     """the collapse guard: flags --guard, --guard-*, TOML table [guard]"""
     max_bad_steps: int = 5
     """stop after this many consecutive steps with a non-finite loss"""
-    log_every: int = 10
-    """print the compact console table every N steps"""
-    tensorboard: bool = True
-    """write TensorBoard event files to run_dir/tb"""
-    wandb: bool = False
-    """also log to Weights & Biases (offline mode)"""
+    log: LogConfig = field(default_factory=LogConfig)
+    """console table and event files: --log-every, --[no-]tensorboard, --[no-]wandb, TOML table [log]"""
 
 
 def field_docs(cls: type) -> dict[str, str]:

@@ -106,8 +106,8 @@ def _train(cfg: TrainConfig, method: Method, parts: Components, *, task: Task, m
         console.print(f"resumed from {resume_from} at step {state.step}"
                       + (f" ({dropped} logged rows after it dropped)" if dropped else "")
                       + (f"; newer checkpoints kept as {', '.join(p.name for p in aside)}" if aside else ""))
-    logger = RunLogger(run, tensorboard=cfg.tensorboard, wandb=cfg.wandb, console=console,
-                       table_every=cfg.log_every, config=to_dict(cfg),
+    logger = RunLogger(run, tensorboard=cfg.log.tensorboard, wandb=cfg.log.wandb, console=console,
+                       table_every=cfg.log.every, config=to_dict(cfg),
                        history=read_rows(run) if resume_from is not None else None,
                        purge_step=state.step + 1 if resume_from is not None else None, enabled=parts.writes)
     if state.eval_before is None:
@@ -150,7 +150,7 @@ def _train(cfg: TrainConfig, method: Method, parts: Components, *, task: Task, m
                     logger.log(state.step, {"guard/rollbacks": state.rollbacks, "guard/lr": parts.learner.lr})
                     bar.update(state.step)
                     continue
-                if cfg.log_every and state.step % cfg.log_every == 0 and state.last_samples:
+                if cfg.log.every and state.step % cfg.log.every == 0 and state.last_samples:
                     logger.samples(state.step, state.last_samples)
                 bar.update(state.step, info=f"reward {metrics.get('reward/mean', float('nan')):.3f}")
                 if cfg.checkpoint_every and state.step % cfg.checkpoint_every == 0 and state.step < cfg.steps:

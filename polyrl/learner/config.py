@@ -16,3 +16,19 @@ class CriticConfig:
     """learning rate of the critic (GAE presets only)"""
     value_clip: float = field(default=0.5, metadata={"flag": "value_clip"})
     """critic value clipping range eps_v (GAE presets only)"""
+
+
+@dataclass
+class LoraConfig:
+    """Low-rank adapters through PEFT: only the adapters train, the reference is the base with them disabled."""
+
+    PREFIX: ClassVar[str] = "lora"
+
+    rank: int = 0
+    """LoRA rank r (0 = full fine-tuning); the adapters train, the base weights stay frozen"""
+    alpha: float = 16.0
+    """LoRA scaling numerator: the update is (alpha / r) * B A"""
+    targets: str = "all-linear"
+    """modules that get adapters: all-linear (every linear layer but the LM head) or comma-separated module names"""
+    dropout: float = 0.0
+    """dropout on the adapters' input (0 keeps rollout and training log-probs identical)"""

@@ -1,0 +1,21 @@
+"""What a run logs and where: `--log-every`, `--[no-]tensorboard`, `--[no-]wandb`, TOML table `[log]`,
+`TrainConfig.log`. Kept apart from ``logging.py`` so that reading settings imports nothing heavy."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+
+@dataclass
+class LogConfig:
+    """The console table and the event files a run writes besides metrics.jsonl."""
+
+    PREFIX: ClassVar[str] = "log"
+
+    every: int = field(default=10, metadata={"flag": "log_every"})
+    """print the compact console table every N steps"""
+    tensorboard: bool = field(default=True, metadata={"flag": "tensorboard"})
+    """write TensorBoard event files to run_dir/tb"""
+    wandb: bool = field(default=False, metadata={"flag": "wandb"})
+    """also log to Weights & Biases (offline mode)"""
