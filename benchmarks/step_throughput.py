@@ -27,14 +27,15 @@ from rich.console import Console
 
 
 def run_polyrl(model: str, steps: int, warmup: int, threads: int, beta: float) -> dict[str, float]:
-    from polyrl.config import TrainConfig
+    from polyrl.config import build_config
     from polyrl.methods import get_method
     from polyrl.tasks import get_task
     from polyrl.trainer import train
 
     with tempfile.TemporaryDirectory() as run_dir:
-        cfg = TrainConfig(steps=warmup + steps, prompts_per_step=8, group_size=8, max_new_tokens=8, eval_prompts=8,
-                          eval_every=0, checkpoint_every=0, tensorboard=False, log_every=0, threads=threads)
+        cfg = build_config(dict(steps=warmup + steps, prompts_per_step=8, group_size=8, max_new_tokens=8,
+                                eval_prompts=8, eval_every=0, checkpoint_every=0, tensorboard=False, log_every=0,
+                                threads=threads))
         method = get_method("grpo", kl_coef=beta) if beta > 0 else get_method("grpo", kl=None, kl_coef=0.0)
         train(cfg, method, model_dir=model, task=get_task("addition"), run_dir=run_dir,
               console=Console(file=io.StringIO()))

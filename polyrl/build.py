@@ -114,6 +114,12 @@ def resolve_train(args: argparse.Namespace) -> TrainPlan:
 
         method = override(method, corrections=["tis"])
         notes.append("agency transfer: adding the TIS correction (pi_theta / mixture, C = 2) to the method")
+    if cfg.engine.backend == "vllm" and not method.corrections and "correction" not in overrides:
+        # vLLM's kernels (and its bfloat16 head) sample from a slightly different policy than the trainer scores.
+        from polyrl.objectives import override
+
+        method = override(method, corrections=["tis"])
+        notes.append("vllm: adding the TIS correction (pi_theta / pi_vllm, C = 2) to the method")
     try:
         task = get_task(cfg.task, data_file=cfg.data.file, heldout_percent=cfg.data.heldout_percent)
         RewardChannels(task, *parse_reward_specs(cfg.reward_funcs, cfg.reward_weights))  # imports them: fail now
@@ -125,6 +131,12 @@ def resolve_train(args: argparse.Namespace) -> TrainPlan:
 
         if not any((Path(cfg.model) / f).is_file() for f in TOKENIZER_FILES):
             raise ConfigError(f"model = {cfg.model!r} has no tokenizer ({' or '.join(TOKENIZER_FILES)})")
+    from polyrl.tasks.chat import check_prompt_format
+
+    try:  # --chat-template, --system-prompt, message prompts: against the model's tokenizer
+        check_prompt_format(cfg.data.chat_template, cfg.data.system_prompt, cfg.model, task)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     from polyrl.checkpoint import latest_checkpoint, resume_checkpoint
     from polyrl.launch import world
 
@@ -170,6 +182,14 @@ def check_combinations(cfg: TrainConfig, method, task) -> None:
 
     default = TrainConfig()
     adv = method.advantage.name
+    if cfg.engine.backend == "vllm":
+        import importlib.util
+
+        import torch
+
+        if importlib.util.find_spec("vllm") is None or not torch.cuda.is_available():
+            raise ConfigError("generator = 'vllm' is not allowed here; it needs a CUDA GPU and "
+                              "`pip install 'polyrl[vllm]'` (or use --generator hf)")
     if method.needs_groups and cfg.group_size < 2:
         raise ConfigError(f"group_size = {cfg.group_size} is not allowed with advantage {adv!r} "
                           "(a group estimator needs >= 2 completions per prompt)")
@@ -191,6 +211,10 @@ def check_combinations(cfg: TrainConfig, method, task) -> None:
             f"method {method.name!r} has no group filter that could drop a group"
         raise ConfigError(f"max_gen_rounds = {cfg.max_gen_rounds} has no effect: {why} (it bounds the refill "
                           "rounds of dynamic sampling)")
+    if cfg.lora.rank and method.ref_sync_every:
+        raise ConfigError(f"lora_rank = {cfg.lora.rank} is not allowed with method {method.name!r}: its reference "
+                          f"follows the policy (every {method.ref_sync_every} steps), but a LoRA reference is the "
+                          "base with the adapters off")
     custom = bool(cfg.reward_funcs) and parse_reward_specs(cfg.reward_funcs, None)[0] != ["task"]
     if cfg.sampler == "tree" and cfg.tree.predictor == "likelihood" and (custom or not getattr(task, "exact_answer",
                                                                                              False)):
@@ -238,6 +262,7 @@ class Components:
     boundaries: frozenset[int]  # token ids that end a sub-sentence (segment ids for SSPO)
     topk: int  # top-K support size when the trust region reads it, else 0
     writes: bool = True  # this process writes the run directory (rank 0 of several)
+    task: Any = None  # the task as the model sees it: prompts put by the chat format (tasks.chat.formatted_task)
 
 
 def build_components(cfg: TrainConfig, method, task, model_dir: str) -> Components:
@@ -252,6 +277,7 @@ def build_components(cfg: TrainConfig, method, task, model_dir: str) -> Componen
     from polyrl.evaluation import Evaluator
     from polyrl.learner.dist import device, init_from_env
     from polyrl.learner.local import ValueHead
+    from polyrl.learner.lora import BaseReference
     from polyrl.model import load_policy
     from polyrl.ranks import RankEvaluator, RankSource
     from polyrl.rollout.agency.arbiter import AgencyArbiter, AgencySource
@@ -259,21 +285,33 @@ def build_components(cfg: TrainConfig, method, task, model_dir: str) -> Componen
     from polyrl.rollout.episodes import EpisodeRunner
     from polyrl.rollout.generator import SamplingParams
     from polyrl.rollout.hf import HFGenerator
+    from polyrl.tasks.chat import PromptFormat, formatted_task
     from polyrl.tasks.rewards import RewardChannels, parse_reward_specs
 
     ranks = init_from_env()  # (rank, world size) under torchrun / --nproc; None in one process
     rewards = RewardChannels(task, *parse_reward_specs(cfg.reward_funcs, cfg.reward_weights))
     policy, tokenizer = load_policy(model_dir, dtype=cfg.dtype, threads=_trainer_threads(cfg))
-    # The reference is a frozen copy of the starting model (synced to the policy by Humanline presets).
-    reference = copy.deepcopy(policy).eval().requires_grad_(False) if method.needs_ref else None
+    task = formatted_task(task, PromptFormat(tokenizer, cfg.data.chat_template, cfg.data.system_prompt,
+                                             model=f"model {model_dir!r}"))
     critic = ValueHead(copy.deepcopy(policy)) if method.needs_values else None
+    adapters = _adapters(cfg, policy)
+    # The reference is a frozen copy of the starting model (synced to the policy by Humanline presets); with LoRA,
+    # the policy itself with its adapters off.
+    reference = None if not method.needs_ref else BaseReference(adapters) if adapters is not None else \
+        copy.deepcopy(policy).eval().requires_grad_(False)
     # In one process the sampler shares the policy module, so its weights are always current; a sharded learner
     # leaves rank 0 a full copy of its own, refreshed after every update (EpisodeRunner own_weights).
     sampler_model = policy if ranks is None else copy.deepcopy(policy).to(device())
-    learner = _learner(cfg, method, policy, reference, critic, sharded=ranks is not None)
-    generator = HFGenerator(sampler_model, tokenizer, fp32_head=cfg.fp32_lm_head)
+    learner = _learner(cfg, method, policy, reference, critic, adapters, sharded=ranks is not None)
+    if cfg.engine.backend == "vllm":  # rollout/vllm.py: imported only here
+        from polyrl.rollout.vllm import VLLMGenerator
+
+        generator = VLLMGenerator(model_dir, tokenizer, dtype=cfg.dtype, seed=cfg.seed,
+                                  gpu_memory_utilization=cfg.engine.gpu_memory_utilization)
+    else:
+        generator = HFGenerator(sampler_model, tokenizer, fp32_head=cfg.fp32_lm_head)
     parts = dict(learner=learner, pad_id=generator.pad_id, boundaries=boundary_token_ids(tokenizer),
-                 topk=TOPK if method.needs_topk else 0)
+                 topk=TOPK if method.needs_topk else 0, task=task)
     if ranks is not None and ranks[0] != 0:
         return Components(source=RankSource(None), evaluate=RankEvaluator(None), writes=False, **parts)
     arbiter = None
@@ -281,7 +319,7 @@ def build_components(cfg: TrainConfig, method, task, model_dir: str) -> Componen
         baseline, _ = load_policy(cfg.agency.baseline, dtype=cfg.dtype, threads=_trainer_threads(cfg))
         arbiter = generator.arbiter = AgencyArbiter(baseline, parse_schedule(cfg.agency.schedule),
                                                     mode=cfg.agency.mode)
-    runner = EpisodeRunner(generator, tokenizer, task, own_weights=ranks is not None)
+    runner = EpisodeRunner(generator, tokenizer, task, own_weights=ranks is not None or cfg.engine.backend == "vllm")
     evaluate = Evaluator(runner, task, task.prompts("test", cfg.eval_prompts, seed=0), cfg.max_new_tokens, arbiter)
 
     def sampling(step: int) -> SamplingParams:
@@ -300,13 +338,27 @@ def build_components(cfg: TrainConfig, method, task, model_dir: str) -> Componen
     return Components(source=source, evaluate=evaluate, **parts)
 
 
-def _learner(cfg: TrainConfig, method, policy, reference, critic, *, sharded: bool):
+def _adapters(cfg: TrainConfig, policy):
+    """LoRA adapters injected into ``policy`` through PEFT (its base frozen), or None for full fine-tuning."""
+    if not cfg.lora.rank:
+        return None
+    from polyrl.learner.lora import add_adapters
+
+    try:
+        return add_adapters(policy, rank=cfg.lora.rank, alpha=cfg.lora.alpha, targets=cfg.lora.targets,
+                            dropout=cfg.lora.dropout)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def _learner(cfg: TrainConfig, method, policy, reference, critic, adapters, *, sharded: bool):
     """The one-process learner, or FSDP2's over the process group (same settings, same results)."""
     from polyrl.learner.fsdp import FSDPLearner
     from polyrl.learner.local import LocalLearner
 
+    lora = dict(adapters=adapters) if adapters is not None else {}  # validate refuses LoRA with several processes
     return (FSDPLearner if sharded else LocalLearner)(
-        policy, lr=cfg.lr, weight_decay=cfg.weight_decay, warmup_steps=cfg.warmup_steps,
+        policy, **lora, lr=cfg.lr, weight_decay=cfg.weight_decay, warmup_steps=cfg.warmup_steps,
         max_grad_norm=cfg.max_grad_norm, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
         fp32_head=cfg.fp32_lm_head, micro_batch_size=cfg.micro_batch_size, reference=reference,
         ref_sync_every=method.ref_sync_every, critic=critic, critic_lr=cfg.critic.lr,
@@ -330,6 +382,7 @@ def _rollout_runner(cfg: TrainConfig, method, learner, local, arbiter, model_dir
     actors = cfg.scale.actors(cfg.prefetch.staleness)
     if not actors:
         return local
+    from polyrl.learner.lora import plain_state_dict
     from polyrl.rollout.remote import RemoteRunner, WorkerPool, WorkerSpec
 
     # A frozen reference scores each batch where it was generated, off the trainer's critical path (a reference
@@ -339,7 +392,8 @@ def _rollout_runner(cfg: TrainConfig, method, learner, local, arbiter, model_dir
                       reference=method.needs_ref and not method.ref_sync_every,
                       logprob_kwargs=dict(micro_batch_size=cfg.micro_batch_size, **learner.sampling))
     pool = WorkerPool(spec, workers=actors, address=cfg.scale.ray_address, cpus=cfg.scale.ray_cpus,
-                      gpus_per_worker=cfg.scale.rollout_worker_gpus, weights=local.generator.model.state_dict)
+                      gpus_per_worker=cfg.scale.rollout_worker_gpus,
+                      weights=lambda: plain_state_dict(local.generator.model))
     return RemoteRunner(local, pool, arbiter)
 
 

@@ -57,8 +57,13 @@ def save_checkpoint(
     state: dict[str, Any] | None = None,
     extra_models: dict[str, torch.nn.Module] | None = None,
     keep_last: int = 2,
+    adapters: Any | None = None,
 ) -> Path:
-    """Write ``run_dir/checkpoints/step_{step:06d}`` atomically and prune older ones (keep ``keep_last``)."""
+    """Write ``run_dir/checkpoints/step_{step:06d}`` atomically and prune older ones (keep ``keep_last``).
+
+    ``adapters`` (the PEFT model of a LoRA run): the policy's weights are its adapter alone (``adapter/``, in
+    PEFT's format), not ``model.safetensors``: the frozen base is the run's starting model.
+    """
     root = Path(run_dir) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{step:06d}"
@@ -66,8 +71,13 @@ def save_checkpoint(
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
-    save_model(model, str(tmp / "model.safetensors"))
-    files = list(_FILES)
+    if adapters is not None:
+        from polyrl.learner.lora import ADAPTER_DIR, save_adapter
+
+        files = ["trainer_state.pt", *save_adapter(adapters, tmp / ADAPTER_DIR)]
+    else:
+        save_model(model, str(tmp / "model.safetensors"))
+        files = list(_FILES)
     for name, extra in (extra_models or {}).items():
         save_model(extra, str(tmp / f"{name}.safetensors"))
         files.append(f"{name}.safetensors")
@@ -182,11 +192,21 @@ def load_checkpoint(
     scheduler: Any | None = None,
     extra_models: dict[str, torch.nn.Module] | None = None,
     restore_rng: bool = True,
+    adapters: Any | None = None,
 ) -> dict[str, Any]:
     """Restore everything saved by ``save_checkpoint`` in place; return the trainer's ``state`` dict."""
+    from polyrl.learner.lora import ADAPTER_DIR, load_adapter
+
     path = Path(path)
     meta = verify_checkpoint(path)
-    load_model(model, str(path / "model.safetensors"))
+    saved_adapter = f"{ADAPTER_DIR}/adapter_model.safetensors" in meta["files"]
+    if saved_adapter != (adapters is not None):
+        held, wanted = ("a LoRA adapter", "a full model") if saved_adapter else ("full weights", "LoRA adapters")
+        raise CheckpointError(f"checkpoint {path} holds {held}, but this run trains {wanted} (lora_rank differs)")
+    if adapters is not None:
+        load_adapter(adapters, path / ADAPTER_DIR)
+    else:
+        load_model(model, str(path / "model.safetensors"))
     for name, extra in (extra_models or {}).items():
         if f"{name}.safetensors" not in meta["files"]:
             raise CheckpointError(f"checkpoint {path} has no {name} weights")

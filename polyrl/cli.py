@@ -169,13 +169,18 @@ def cmd_warmstart(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from polyrl.checkpoint import verify_checkpoint
+    from polyrl.checkpoint import resume_checkpoint, verify_checkpoint
     from polyrl.learner.sharded import export_hf
     from polyrl.runs import saved_record
 
     checkpoint = Path(args.checkpoint)
+    if not (checkpoint / "meta.json").exists() and (checkpoint / "checkpoints").is_dir():  # a run directory
+        checkpoint, _ = resume_checkpoint(checkpoint)  # its newest intact checkpoint (one line otherwise)
     verify_checkpoint(checkpoint)  # one line for a missing or corrupt checkpoint
-    model = args.model or (saved_record(str(checkpoint.parent.parent)) or {}).get("config", {}).get("model")
+    run = checkpoint.parent.parent
+    model = args.model or (saved_record(str(run)) or {}).get("config", {}).get("model")
+    if model is None and (run / "summary.json").is_file():  # a warm-start run: summary.json names the directory
+        model = json.loads((run / "summary.json").read_text()).get("model")
     if model is None:
         raise ConfigError(f"checkpoint {checkpoint}: its run has no config.json naming the model; pass --model DIR")
     out = export_hf(checkpoint, args.out, model)
@@ -357,8 +362,9 @@ def build_parser(*, family: str | None = None) -> OneLineParser:
     add_train_args(p)
     p.set_defaults(fn=cmd_train)
 
-    p = sub.add_parser("export", help="write a checkpoint's policy as a plain Hugging Face directory")
-    p.add_argument("checkpoint", help="a checkpoint directory: RUN_DIR/checkpoints/step_000050 (either layout)")
+    p = sub.add_parser("export", help="write a run's (or a checkpoint's) policy as a plain Hugging Face directory")
+    p.add_argument("checkpoint", help="a run directory (its newest checkpoint) or a checkpoint directory: "
+                   "RUN_DIR/checkpoints/step_000050 (any layout; a LoRA adapter is merged into the base)")
     p.add_argument("out", help="the directory to write (config, tokenizer, model.safetensors)")
     p.add_argument("--model", default=None,
                    help="the run's starting model directory (config and tokenizer); default: the run's config.json")

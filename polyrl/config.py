@@ -3,8 +3,9 @@
 ``TrainConfig`` holds the core settings and nests each feature's own dataclass: ``tree``
 (``rollout/tree/config.py``), ``agency`` (``rollout/agency/config.py``), ``prefetch``
 (``rollout/source.py``), ``scale`` (Ray rollout workers and training processes, ``launch.py``),
-``critic`` and ``lora`` (``learner/config.py``), ``engine`` (``rollout/engine_config.py``), ``guard`` (``guard.py``), ``data`` (the data file and the prompt format,
-``tasks/config.py``) and ``log`` (``logconfig.py``). Users name every setting flat:
+``critic`` and ``lora`` (``learner/config.py``), ``engine`` (``rollout/engine_config.py``), ``guard``
+(``guard.py``), ``data`` (the data file and the prompt format, ``tasks/config.py``) and ``log``
+(``logconfig.py``). Users name every setting flat:
 ``--tree-roots`` / ``tree_roots`` is ``cfg.tree.roots``, and a feature's own switch keeps its name
 (``--agency DIR``, ``--guard``). ``settings`` lists them; ``add_config_args`` turns them into flags
 (help text = the field's docstring), ``load_toml`` reads a file of flat keys or feature tables
@@ -323,6 +324,21 @@ def validate(config: TrainConfig) -> None:
               "policy)")
         _rule("async_staleness", cfg.async_staleness, cfg.agency is None,
               "does not combine with agency transfer (a prefetched batch would mix at an earlier step's beta)")
+    _rule("vllm_gpu_memory_utilization", cfg.vllm_gpu_memory_utilization, 0 < cfg.vllm_gpu_memory_utilization <= 1,
+          "must be in (0, 1]")
+    _rule("vllm_gpu_memory_utilization", cfg.vllm_gpu_memory_utilization, cfg.generator == "vllm"
+          or cfg.vllm_gpu_memory_utilization == default.vllm_gpu_memory_utilization,
+          "only applies with --generator vllm")
+    if cfg.generator == "vllm":  # one in-process engine beside a one-process learner (rollout/vllm.py)
+        for name, off, why in [
+            ("agency", cfg.agency is None, "agency transfer mixes two models token by token in HFGenerator's loop"),
+            ("rollout_workers", not cfg.rollout_workers, "Ray rollout workers run HFGenerator"),
+            ("async_staleness", not cfg.async_staleness, "prefetching rollout workers run HFGenerator"),
+            ("nproc", cfg.nproc == 1, "the engine runs beside a one-process learner"),
+            ("tree_predictor", cfg.sampler != "tree" or cfg.tree_predictor != "shared",
+             "'shared' embeds prompts with the sampler's transformers model; use history or likelihood"),
+        ]:
+            _rule(name, getattr(cfg, name), off, f"does not combine with --generator vllm ({why})")
     _rule("rollout_workers", cfg.rollout_workers, cfg.rollout_workers >= 0, "must be an integer >= 0")
     _rule("ray_cpus", cfg.ray_cpus, cfg.ray_cpus >= 0, "must be an integer >= 0 (0 = the machine's cores)")
     _rule("rollout_worker_gpus", cfg.rollout_worker_gpus, cfg.rollout_worker_gpus >= 0, "must be >= 0")
@@ -360,6 +376,16 @@ def validate(config: TrainConfig) -> None:
         _rule(name, getattr(cfg, name), cfg.agency is not None or getattr(cfg, name) == getattr(default, name),
               "only applies with agency transfer (add --agency DIR)")
     _rule("value_clip", cfg.value_clip, cfg.value_clip > 0, "must be > 0")
+    _rule("lora_rank", cfg.lora_rank, cfg.lora_rank >= 0, "must be an integer >= 0 (0 = full fine-tuning)")
+    _rule("lora_alpha", cfg.lora_alpha, cfg.lora_alpha > 0, "must be > 0")
+    _rule("lora_dropout", cfg.lora_dropout, 0 <= cfg.lora_dropout < 1, "must be in [0, 1)")
+    _rule("lora_targets", cfg.lora_targets, bool(cfg.lora_targets.strip(", ")),
+          "must be all-linear or comma-separated module names (q_proj,v_proj)")
+    for name in ("lora_alpha", "lora_targets", "lora_dropout"):
+        _rule(name, getattr(cfg, name), cfg.lora_rank or getattr(cfg, name) == getattr(default, name),
+              "only applies with LoRA (add --lora-rank r)")
+    _rule("lora_rank", cfg.lora_rank, not cfg.lora_rank or cfg.nproc == 1,
+          "does not combine with nproc > 1 yet (the FSDP2 learner shards full weights); train LoRA in one process")
     _rule("fp32_lm_head", cfg.fp32_lm_head, not cfg.fp32_lm_head or cfg.dtype != "float32",
           "only applies with dtype = 'bfloat16' (a float32 model's head is float32 already)")
     if cfg.wandb:

@@ -85,7 +85,7 @@ def train(cfg: TrainConfig, method: Method, *, model_dir: str, task: Task, run_d
     _seed_everything(cfg.seed)
     parts = build_components(cfg, method, task, model_dir)
     try:
-        return _train(cfg, method, parts, task=task, model_dir=model_dir, run_dir=run_dir, console=console)
+        return _train(cfg, method, parts, task=parts.task, model_dir=model_dir, run_dir=run_dir, console=console)
     finally:
         parts.source.close()  # rollout workers and Ray stop whatever happened, before the loop too
 
@@ -229,7 +229,7 @@ def rl_step(cfg: TrainConfig, method: Method, state: TrainState, parts: Componen
                     "perf/train_s": t_end - t_score,
                     "perf/gen_tokens_per_second": gen_tokens / (t_gen - t_start),
                     "perf/train_tokens_per_second": train_tokens / max(t_end - t_gen, 1e-9)})
-    state.last_samples = [{"prompt": p.text, "completion": s.text, "reward": float(r)}
+    state.last_samples = [{"prompt": p.model_text, "completion": s.text, "reward": float(r)}
                           for p, s, r in list(zip(batch.prompts, batch.samples, batch.scores))[:4]]
     metrics.update(batch.stats)
     metrics.update(kl_metrics)
@@ -241,7 +241,8 @@ def rl_step(cfg: TrainConfig, method: Method, state: TrainState, parts: Componen
         "rollout/truncated_frac": float(batch.truncated.float().mean()),
         "rollout/kept_frac": float(batch.keep.float().mean()),
         "objective/adv_abs_mean": float(masked_mean(adv.abs(), mask)),
-        "rollout/rollout_vs_old_kl": float(masked_mean((tb.rollout_logp - scored.old_logp).abs(), tb.loss_mask)),
+        # mean |rollout - trainer| log-prob at the rollout weights: ~0 for hf, the engine mismatch for vllm
+        "rollout/logp_mismatch": float(masked_mean((tb.rollout_logp - scored.old_logp).abs(), tb.loss_mask)),
         "perf/skipped_steps": float(state.skipped_total),
         "rollout/gen_tokens": gen_tokens,
     })

@@ -62,6 +62,11 @@ MOOT = [
     ("ray_cpus", 2, []),
     ("rollout_worker_gpus", 1.0, []),
     ("ray_cpus", 2, ["--rollout-workers", "1", "--ray-address", "auto"]),  # a cluster sizes itself
+    ("system_prompt", "Be brief.", []),  # the character tokenizer has no chat template: prompts stay plain text
+    ("vllm_gpu_memory_utilization", 0.5, []),  # generator hf
+    ("lora_alpha", 32.0, []),  # full fine-tuning
+    ("lora_targets", "q_proj,v_proj", []),
+    ("lora_dropout", 0.1, []),
 ]
 # Fields that always change what runs (or how the run is kept and shown).
 ALWAYS = {"method", "task", "reward_funcs", "reward_weights", "model", "run_dir", "steps", "prompts_per_step",
@@ -69,7 +74,8 @@ ALWAYS = {"method", "task", "reward_funcs", "reward_weights", "model", "run_dir"
           "max_grad_norm", "epochs_per_batch", "minibatches", "micro_batch_size", "train_prompts", "sampler",
           "agency", "async_staleness", "eval_every", "eval_prompts", "checkpoint_every", "resume", "resume_from",
           "overwrite", "seed", "threads", "dtype", "guard", "max_bad_steps", "log_every", "tensorboard", "wandb",
-          "rollout_workers", "nproc"}
+          "chat_template",
+          "rollout_workers", "nproc", "generator", "lora_rank"}
 
 
 def test_every_field_is_classified():
@@ -151,8 +157,8 @@ def test_rloo_under_the_tree_sampler_logs_its_reward_kl_penalty(tiny_model, tmp_
 
 def test_dynamic_sampling_refills_until_its_round_limit(tiny_model, tmp_path):
     # An untrained model never solves addition: every DAPO group is all-fail and dropped, round after round.
-    cfg = TrainConfig(steps=1, prompts_per_step=2, group_size=2, max_new_tokens=3, eval_prompts=4, eval_every=0,
-                      checkpoint_every=0, tensorboard=False, log_every=0, threads=1, max_gen_rounds=3)
+    cfg = build_config(dict(steps=1, prompts_per_step=2, group_size=2, max_new_tokens=3, eval_prompts=4, eval_every=0,
+                            checkpoint_every=0, tensorboard=False, log_every=0, threads=1, max_gen_rounds=3))
     train(cfg, get_method("dapo"), model_dir=tiny_model, task=AdditionTask(), run_dir=str(tmp_path), console=QUIET)
     row = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()][1]
     assert row["rollout/gen_rounds"] == 3 and row["rollout/generated"] == 3 * 2 * 2 and row["rollout/empty_steps"] == 1

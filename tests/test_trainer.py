@@ -54,7 +54,7 @@ def test_every_preset_trains_a_few_steps(name, tiny_model, tmp_path):
     for r in steps:
         assert "objective/loss" in r and "objective/ratio_mean" in r and "rollout/utilization" in r
         assert all(v == v for v in r.values()), r  # no NaN
-        assert r["rollout/rollout_vs_old_kl"] < 1e-4  # recomputed old log-probs == sampler's
+        assert r["rollout/logp_mismatch"] < 1e-4  # recomputed old log-probs == sampler's
     from safetensors.torch import load_file
 
     ck = sorted((tmp_path / "checkpoints").glob("step_*"))[-1]

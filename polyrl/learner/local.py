@@ -28,17 +28,22 @@ from polyrl.learner.common import (
     set_base_lr,
     sync_reference,
 )
+from polyrl.learner.lora import BaseReference, plain_state_dict, trainable_parameters
 from polyrl.model import TokenLogprobs, completion_logprobs
 from polyrl.objectives.value import clipped_value_loss
 from polyrl.rollout.generator import Sample
 from polyrl.tasks.base import Prompt
+from polyrl.tasks.chat import prompt_ids
 
 
-def prompt_embedder(model: nn.Module, tokenizer) -> Callable[[list[str]], Tensor]:
-    """``embed(texts)`` -> [N, H]: each prompt's mean last hidden state under ``model`` (no grad), the features of
-    the tree sampler's shared success predictor."""
-    def embed(texts: list[str]) -> Tensor:
-        enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=True)
+def prompt_embedder(model: nn.Module, tokenizer) -> Callable[[list[Prompt | str]], Tensor]:
+    """``embed(prompts)`` -> [N, H]: each prompt's (a Prompt as the model sees it, or plain text) mean last hidden
+    state under ``model`` (no grad), the features of the tree sampler's shared success predictor."""
+    def embed(texts: list[Prompt | str]) -> Tensor:
+        ids = prompt_ids(tokenizer, texts)
+        width = max(len(i) for i in ids)  # right padding, masked out
+        enc = {"input_ids": torch.tensor([i + [0] * (width - len(i)) for i in ids]),
+               "attention_mask": torch.tensor([[1] * len(i) + [0] * (width - len(i)) for i in ids])}
         device = next(model.parameters()).device
         was_training = model.training
         model.eval()
@@ -72,8 +77,8 @@ def answer_likelihood(learner: LocalLearner, generator, max_new_tokens: int) -> 
         out = torch.zeros(len(prompts), dtype=torch.float64)
         if not prompts:
             return out
-        heads = tokenizer([p.text for p in prompts], add_special_tokens=True)["input_ids"]
-        joint = tokenizer([p.text + p.answer for p in prompts], add_special_tokens=True)["input_ids"]
+        heads = prompt_ids(tokenizer, prompts)
+        joint = prompt_ids(tokenizer, prompts, suffixes=[p.answer for p in prompts])
         samples, owner = [], []
         for i, (head, both, p) in enumerate(zip(heads, joint, prompts)):
             answer = both[len(head):] if both[: len(head)] == head else \
@@ -139,7 +144,8 @@ class LocalLearner:
     """Single-process learner: one policy with AdamW and linear warm-up, its reference and its critic (if any).
 
     The reference is a frozen copy of the starting model, or one that follows the policy every
-    ``ref_sync_every`` steps (Humanline presets; then it is state and is checkpointed). The critic is the
+    ``ref_sync_every`` steps (Humanline presets; then it is state and is checkpointed), or with LoRA
+    (``adapters``) the policy itself with its adapters off (``lora.BaseReference``). The critic is the
     policy's architecture with a value head and its own AdamW (GAE presets).
     """
 
@@ -161,12 +167,14 @@ class LocalLearner:
         critic: ValueHead | None = None,
         critic_lr: float = 1e-4,
         value_clip: float = 0.5,
+        adapters: Any | None = None,
     ):
         self.model = model
+        self.adapters = adapters  # LoRA: the PEFT model; only its adapters train and the checkpoint holds them alone
         self.reference, self.ref_sync_every = reference, ref_sync_every
         self.critic, self.value_clip = critic, value_clip
         self.critic_opt = torch.optim.AdamW(critic.parameters(), lr=critic_lr) if critic is not None else None
-        self.optimizer, self.scheduler = make_optimizer(model.parameters(), lr=lr, weight_decay=weight_decay,
+        self.optimizer, self.scheduler = make_optimizer(trainable_parameters(model), lr=lr, weight_decay=weight_decay,
                                                         warmup_steps=warmup_steps)
         self.max_grad_norm = max_grad_norm
         self.sampling = sampling_settings(temperature, top_p, top_k)
@@ -188,8 +196,13 @@ class LocalLearner:
     def ref_logprobs(self, batch: TokenBatch, samples: list[Sample]) -> Tensor | None:
         """Reference log-probs [B, T] at the rollout weights: scored with the samples when the generation process
         did it (a frozen reference), else here; None without a reference."""
-        return reference_logp(self.reference, self.ref_sync_every, batch, samples,
-                              lambda: self.logprobs_nograd(batch, model=self.reference).logp)
+        def score() -> Tensor:
+            if isinstance(self.reference, BaseReference):
+                with self.reference.scoring() as base:
+                    return self.logprobs_nograd(batch, model=base).logp
+            return self.logprobs_nograd(batch, model=self.reference).logp
+
+        return reference_logp(self.reference, self.ref_sync_every, batch, samples, score)
 
     def values(self, batch: TokenBatch) -> Tensor | None:
         """Critic values [B, T] on the loss tokens (0 elsewhere), without gradient; None without a critic."""
@@ -232,7 +245,8 @@ class LocalLearner:
         return float(self.scheduler.get_last_lr()[0])
 
     def weights(self) -> dict[str, Tensor]:
-        return self.model.state_dict()
+        """The policy's weights under the base model's names (LoRA adapters merged in)."""
+        return plain_state_dict(self.model)
 
     def shard(self, n: int) -> list[int | None]:
         """Every micro-batch runs here."""
@@ -250,7 +264,7 @@ class LocalLearner:
         if self.critic_opt is not None:
             state = {**state, "critic_optimizer": self.critic_opt.state_dict()}
         return save_checkpoint(run_dir, step, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
-                               state=state, extra_models=self._extra_models())
+                               state=state, extra_models=self._extra_models(), adapters=self.adapters)
 
     def load(self, path: str | Path) -> dict[str, Any]:
         """Restore a checkpoint in place (weights, optimizers, schedule, RNG); return the trainer's state.
@@ -264,7 +278,7 @@ class LocalLearner:
                                 optimizers={"model": self.optimizer, "critic": self.critic_opt},
                                 scheduler=self.scheduler, collective=False)
         saved = load_checkpoint(path, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
-                                extra_models=self._extra_models())
+                                extra_models=self._extra_models(), adapters=self.adapters)
         critic_opt_state = saved.pop("critic_optimizer", None)
         if self.critic_opt is not None and critic_opt_state is not None:
             self.critic_opt.load_state_dict(critic_opt_state)

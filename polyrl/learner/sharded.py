@@ -189,22 +189,28 @@ def load_unsharded(path: str | Path, *, models: dict[str, nn.Module], optimizers
 
 
 def export_hf(checkpoint_dir: str | Path, out_dir: str | Path, model_dir: str | Path) -> Path:
-    """Write the policy of a checkpoint (either layout) as a plain Hugging Face directory loadable with
-    ``from_pretrained``: config, generation config and tokenizer from ``model_dir``, weights from the checkpoint.
+    """Write the policy of a checkpoint (either layout, or a LoRA adapter: merged) as a plain Hugging Face directory
+    loadable with ``from_pretrained``: config, generation config and tokenizer from ``model_dir``, weights from the
+    checkpoint.
     Needs no process group (call it on one rank)."""
     from safetensors.torch import load_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from polyrl.learner.lora import ADAPTER_DIR, merged_model
+
     checkpoint_dir, out = Path(checkpoint_dir), Path(out_dir)
     verify_checkpoint(checkpoint_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype="auto", local_files_only=True)
-    if is_sharded(checkpoint_dir):
+    if (checkpoint_dir / ADAPTER_DIR).is_dir():  # LoRA: the base with the adapter merged into its weights
+        model = merged_model(model_dir, checkpoint_dir / ADAPTER_DIR)
+    elif is_sharded(checkpoint_dir):
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype="auto", local_files_only=True)
         sd = {"model": model.state_dict()}
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
             dcp.load(sd, checkpoint_id=checkpoint_dir / SHARDS, no_dist=True)
         model.load_state_dict(sd["model"])
     else:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype="auto", local_files_only=True)
         load_model(model, str(checkpoint_dir / "model.safetensors"))
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)

@@ -32,6 +32,7 @@ from typing import Protocol, runtime_checkable
 
 from polyrl.rollout.generator import Generator, Sample, SamplingParams
 from polyrl.tasks.base import Prompt
+from polyrl.tasks.chat import prompt_ids
 
 
 @runtime_checkable
@@ -104,7 +105,7 @@ class EpisodeRunner:
 
     def new(self, prompts: list[Prompt], n: int) -> list[Episode]:
         """``n`` fresh episodes per prompt, grouped by prompt."""
-        ids = self.tokenizer([p.text for p in prompts], add_special_tokens=True)["input_ids"]
+        ids = prompt_ids(self.tokenizer, prompts)  # a rendered chat template brings its own special tokens
         return [Episode(prompt=p, prompt_ids=list(i)) for p, i in zip(prompts, ids) for _ in range(n)]
 
     def sample(self, prompts: list[Prompt], params: SamplingParams, key_offset: int = 0) -> list[Sample]:

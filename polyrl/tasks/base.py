@@ -16,12 +16,23 @@ Split = Literal["train", "test"]
 
 @dataclass(frozen=True)
 class Prompt:
-    """One prompt of a task: a stable id, the text given to the model, and the reference answer."""
+    """One prompt of a task: a stable id, the text given to the model, and the reference answer.
+
+    A prompt may be a conversation (``messages``, (role, content) pairs); a chat template then renders it, and
+    ``rendered`` holds the text the model is conditioned on (``polyrl.tasks.chat``), special tokens included.
+    """
 
     id: str  # stable across runs and machines, e.g. "addition/12+34"
-    text: str  # what the policy is conditioned on, e.g. "12+34="
+    text: str  # the task's text: what the policy is conditioned on in plain mode, e.g. "12+34="
     answer: str  # the reference answer, e.g. "46"
     demo: str | None = None  # supervised warm-start target when it is not just the answer (tool transcripts)
+    messages: tuple[tuple[str, str], ...] | None = None  # the prompt as chat turns; None: one user turn of text
+    rendered: str | None = None  # set by a chat template (tasks.chat.PromptFormat); None: plain text
+
+    @property
+    def model_text(self) -> str:
+        """The text the model is conditioned on: the rendered chat template, else the plain text."""
+        return self.text if self.rendered is None else self.rendered
 
 
 class Task(Protocol):

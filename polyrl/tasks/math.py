@@ -1,12 +1,17 @@
 """Math word problems from a local JSONL, JSON or Parquet file, graded with math-verify.
 
 Accepted columns (documented here only; ``COLUMNS_HELP`` says it in one phrase for the CLI and README):
-the question is the first of ``question``, ``problem``, ``prompt`` that the file has (or ``prompt_key``),
-the answer the first of ``answer``, ``solution``, ``ground_truth`` (or ``answer_key``); other columns are
-ignored and duplicate questions are kept. A ``.jsonl`` file holds one JSON object per line (blank lines are
+the question is the first of ``question``, ``problem``, ``prompt``, ``messages`` that the file has (or
+``prompt_key``), the answer the first of ``answer``, ``solution``, ``ground_truth`` (or ``answer_key``); other
+columns are ignored and duplicate questions are kept. A question that is a list is a chat conversation (as in
+TRL's conversational format): non-empty ``{"role": ..., "content": ...}`` objects with text content, not ending
+with an assistant turn; it is rendered by the run's chat template (``polyrl.tasks.chat``; plain text runs refuse
+it), and a text question is ``template`` (``{question}\nAnswer: ``) in plain mode or one user message of that text
+under a chat template. A ``.jsonl`` file holds one JSON object per line (blank lines are
 skipped), a ``.json`` file either that or one JSON array of objects, a ``.parquet`` file one row per problem.
 
-A row goes to the held-out (test) split when int(sha256(question)[:8], 16) % 100 < ``heldout_percent``, so
+A row goes to the held-out (test) split when int(sha256(question)[:8], 16) % 100 < ``heldout_percent`` (a
+conversation is hashed as its compact JSON list of {"role", "content"} objects), so
 the splits are disjoint and stay stable when rows are added, but a small file can land no row in a split:
 that is an error naming ``--heldout-percent``. Every problem with the file raises DataFileError, a ValueError
 with a one-line message that starts with the file's name. The reward is 1.0 when math-verify finds the
@@ -23,7 +28,7 @@ from typing import Any
 
 from polyrl.tasks.base import Prompt, Split
 
-QUESTION_KEYS = ("question", "problem", "prompt")
+QUESTION_KEYS = ("question", "problem", "prompt", "messages")
 ANSWER_KEYS = ("answer", "solution", "ground_truth")
 COLUMNS_HELP = (f"{QUESTION_KEYS[0]} (or {', '.join(QUESTION_KEYS[1:])}) and "
                 f"{ANSWER_KEYS[0]} (or {', '.join(ANSWER_KEYS[1:])}) columns")
@@ -103,6 +108,25 @@ def _parquet_rows(path: Path, label: str) -> tuple[list[str], list[tuple[str, di
     return list(table.column_names), [(f"row {i}", row) for i, row in enumerate(table.to_pylist(), 1)]
 
 
+def _messages_problem(messages: list) -> str | None:
+    """What is wrong with a question given as chat messages, in a few words (None: nothing)."""
+    if not messages:
+        return "are an empty list"
+    for i, m in enumerate(messages, 1):
+        if not isinstance(m, dict):
+            return f"are not all objects (message {i} is {_JSON_KINDS.get(type(m), type(m).__name__)})"
+        role, content = m.get("role"), m.get("content")
+        if not isinstance(role, str) or not role.strip():
+            return f"lack a role (message {i} has role {role!r}; e.g. system, user, assistant)"
+        if not isinstance(content, str):
+            return f"lack text content (message {i} has content {type(content).__name__}, not a string)"
+    if not any(m["role"] == "user" for m in messages):
+        return "have no user message"
+    if messages[-1]["role"] == "assistant":
+        return "end with an assistant message (the model writes the next assistant turn)"
+    return None
+
+
 class MathTask:
     """Problems from a local file; reward by math-verify equivalence with the reference answer."""
 
@@ -134,21 +158,37 @@ class MathTask:
                 if value is None or (isinstance(value, str) and not value.strip()):
                     state = "missing" if key not in row else "null" if value is None else "empty"
                     raise DataFileError(f"{label} {where} has no {role} ({key!r} is {state})")
+                if role == "question" and isinstance(value, list):
+                    problem = _messages_problem(value)
+                    if problem:
+                        raise DataFileError(f"{label} {where} has chat messages in {key!r} that {problem}")
+                    continue
                 if isinstance(value, bool) or not isinstance(value, str | int | float):
                     raise DataFileError(f"{label} {where} has a {type(value).__name__} in {key!r}; "
-                                        f"the {role} must be text or a number")
+                                        f"the {role} must be text or a number" +
+                                        (" (or a list of chat messages)" if role == "question" else ""))
 
         self.name = "math"
         self.template = template
         self.heldout_percent = heldout_percent
         self._label = label
         self._pools: dict[str, list[Prompt]] = {"train": [], "test": []}
+        self.message_rows = 0  # rows whose question is a conversation: they need a chat template
         for _, row in rows:
-            question = str(row[keys["question"]])
+            value, messages = row[keys["question"]], None
+            if isinstance(value, list):
+                messages = tuple((m["role"], m["content"]) for m in value)
+                question = json.dumps([{"role": r, "content": c} for r, c in messages], ensure_ascii=False,
+                                      separators=(",", ":"))
+                text = next(c for r, c in reversed(messages) if r == "user")  # shown to reward functions
+                self.message_rows += 1
+            else:
+                question = str(value)
+                text = template.format(question=question)
             pid = hashlib.sha256(question.encode()).hexdigest()
             split = "test" if int(pid[:8], 16) % 100 < heldout_percent else "train"
-            self._pools[split].append(Prompt(id=f"math/{pid[:16]}", text=template.format(question=question),
-                                             answer=str(row[keys["answer"]])))
+            self._pools[split].append(Prompt(id=f"math/{pid[:16]}", text=text, answer=str(row[keys["answer"]]),
+                                             messages=messages))
         train, held = len(self._pools["train"]), len(self._pools["test"])
         if not train or (heldout_percent and not held):
             fix = (f"add rows (about {-(-100 // heldout_percent)} per held-out row) or raise --heldout-percent"

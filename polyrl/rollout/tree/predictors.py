@@ -32,7 +32,7 @@ class SuccessPredictor:
     would never be drawn again, and if the policy forgot it nothing would notice. ``counts`` (pool index ->
     [successes, trials, step of the last visit]) is the trainer's resumable state.
 
-    With ``embed`` (texts -> [N, H] features, e.g. the policy's mean hidden state of the prompt) the predictor is
+    With ``embed`` (prompts -> [N, H] features, e.g. the policy's mean hidden state of the prompt) the predictor is
     shared across prompts, as TRACE's is: a ridge regression of each seen prompt's smoothed logit pass rate on its
     features gives every prompt its own prior mean m(x), so a prompt never seen before is predicted from the ones
     like it; the strength s0 is then fitted to the residual spread E[(p - m(x))^2] by the same moments. Features
@@ -41,7 +41,7 @@ class SuccessPredictor:
     """
 
     def __init__(self, counts: MutableMapping[int, list[float]], prior_strength: float = 2.0, half_life: float = 0.0,
-                 min_prompts: int = 8, embed: Callable[[list[str]], Tensor] | None = None, ridge: float = 10.0):
+                 min_prompts: int = 8, embed: Callable[[list], Tensor] | None = None, ridge: float = 10.0):
         self.counts = counts
         self.prior_strength, self.half_life, self.min_prompts = prior_strength, half_life, min_prompts
         self.now = 0  # current step (the sampler sets it)
@@ -68,8 +68,9 @@ class SuccessPredictor:
         var = min(max(p2 - m * m, 1e-4), m * (1 - m) * (1 - 1e-3))
         return m, max(m * (1 - m) / var - 1, 1e-3)
 
-    def prompts(self, pool_ids: list[int], texts: list[str] | None = None) -> tuple[Tensor, Tensor]:
-        """Posterior (mean [M], strength [M]) of each prompt's success probability (``texts``: for ``embed``)."""
+    def prompts(self, pool_ids: list[int], texts: list | None = None) -> tuple[Tensor, Tensor]:
+        """Posterior (mean [M], strength [M]) of each prompt's success probability (``texts``: the prompts, Prompt
+        or plain str, for ``embed``)."""
         shared = None
         if self.embed is not None and texts is not None:
             new = [(i, t) for i, t in zip(pool_ids, texts) if i not in self.features]

@@ -99,7 +99,7 @@ class TreeSampler:
             p_root = self.likelihood([p for _, p in drawn]).to(torch.float64).clamp(0, 1)
             s_root = torch.full_like(p_root, EXACT_STRENGTH)
         else:
-            p_root, s_root = self.predictor.prompts([i for i, _ in drawn], [p.text for _, p in drawn])
+            p_root, s_root = self.predictor.prompts([i for i, _ in drawn], [p for _, p in drawn])
         root_budget = max(2, round(self.root_frac * budget))
         inclusion = None
         if self.roots == "sample":  # draw groups of G in proportion to P_mix; weights undo the preference

@@ -1,0 +1,126 @@
+"""LoRA through PEFT: adapters on a loaded policy, the base as the reference, merged weights for generators.
+
+``add_adapters`` injects PEFT's LoRA layers into the transformers model in place (``get_peft_model``), so the
+model object the learner, the sampler and the evaluator already hold now computes ``W x + (alpha / r) B A x``
+and only ``A`` and ``B`` require gradients: the optimizer is built over the trainable parameters alone. The
+reference policy of a KL preset is that same model with the adapters switched off (``BaseReference``: PEFT's
+``disable_adapter`` context), so it costs no second copy of the weights. Generators in other processes (Ray
+rollout workers, vLLM) and ``polyrl export`` receive the merged weights under the base model's own names
+(``plain_state_dict``); a checkpoint holds the adapter alone, in PEFT's format (``adapter_config.json`` and
+``adapter_model.safetensors``, loadable with ``PeftModel.from_pretrained(base, dir)``).
+
+Convention: ``--lora-targets all-linear`` is PEFT's ``all-linear`` (every linear layer except the LM head);
+the LM head never gets an adapter, because the sampler and the trainer apply it as a plain ``nn.Linear``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+ADAPTER_DIR = "adapter"  # the checkpoint's sub-directory holding the PEFT adapter
+
+
+def add_adapters(model: nn.Module, *, rank: int, alpha: float, targets: str, dropout: float):
+    """Inject LoRA adapters into ``model`` in place and freeze its base weights; return the PEFT wrapper.
+
+    ``targets``: ``all-linear`` or comma-separated module names (``q_proj,v_proj``). A name that matches no module,
+    or one that would put an adapter on the LM head, raises ValueError naming ``lora_targets``.
+    """
+    from peft import LoraConfig, get_peft_model
+
+    names = "all-linear" if targets == "all-linear" else [t.strip() for t in targets.split(",") if t.strip()]
+    head = model.get_output_embeddings()
+    head_names = {name.rsplit(".", 1)[-1] for name, module in model.named_modules() if module is head}
+    if isinstance(names, list) and head_names & set(names):
+        raise ValueError(f"lora_targets = {targets!r} names the LM head ({', '.join(sorted(head_names))}); the head "
+                         "is applied as a plain linear layer by the sampler and the trainer: leave it out")
+    config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=names, bias="none")
+    try:
+        with warnings.catch_warnings():  # PEFT calls a transformers property deprecated in v5 (FutureWarning)
+            warnings.simplefilter("ignore", FutureWarning)
+            peft_model = get_peft_model(model, config)
+    except ValueError as e:  # PEFT: "Target modules {...} not found in the base model"
+        raise ValueError(f"lora_targets = {targets!r}: {str(e).splitlines()[0]}") from None
+    return peft_model
+
+
+def has_adapters(model: nn.Module) -> bool:
+    """Whether PEFT's LoRA layers are injected in ``model``."""
+    from peft.tuners.lora import LoraLayer
+
+    return any(isinstance(m, LoraLayer) for m in model.modules())
+
+
+def plain_state_dict(model: nn.Module) -> dict[str, Tensor]:
+    """``model``'s weights under the base architecture's names: LoRA layers merged (``W + (alpha / r) B A``), the
+    adapters' own tensors left out. A model without adapters gives its ``state_dict()`` unchanged."""
+    from peft.tuners.lora import LoraLayer
+
+    layers = {name: m for name, m in model.named_modules() if isinstance(m, LoraLayer)}
+    if not layers:
+        return model.state_dict()
+    merged: dict[str, Tensor] = {}
+    for name, tensor in model.state_dict().items():
+        if ".lora_" in name:
+            continue
+        owner, _, leaf = name.rpartition(".base_layer.")
+        if owner in layers and leaf == "weight":
+            layer = layers[owner]
+            with torch.no_grad():
+                delta = sum((layer.get_delta_weight(a) for a in layer.active_adapters), torch.zeros_like(tensor))
+            tensor = tensor + delta.to(tensor.dtype)
+        merged[name.replace(".base_layer.", ".")] = tensor
+    return merged
+
+
+class BaseReference:
+    """The reference policy of a LoRA run: the policy's own base weights, scored with the adapters switched off."""
+
+    def __init__(self, peft_model) -> None:
+        self.peft_model = peft_model
+        self.model = peft_model.get_base_model()  # the transformers model (holding the adapters, off while scoring)
+
+    @contextlib.contextmanager
+    def scoring(self) -> Iterator[nn.Module]:
+        """The model to score with, its adapters off for the duration."""
+        with self.peft_model.disable_adapter():
+            yield self.model
+
+
+def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters an optimizer should hold: all of them, or only the adapters of a LoRA model."""
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def save_adapter(peft_model, directory: Path) -> list[str]:
+    """Write the adapter in PEFT's format into ``directory``; return the files written (relative to its parent)."""
+    peft_model.save_pretrained(directory)
+    return sorted(str(p.relative_to(directory.parent)) for p in directory.rglob("*") if p.is_file())
+
+
+def load_adapter(peft_model, directory: Path) -> None:
+    """Load adapter weights saved by ``save_adapter`` into ``peft_model`` in place (strict on the adapter's keys)."""
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    result = set_peft_model_state_dict(peft_model, load_file(str(directory / "adapter_model.safetensors")))
+    unexpected = getattr(result, "unexpected_keys", [])
+    if unexpected:
+        raise ValueError(f"adapter in {directory} does not fit this model (unexpected: {', '.join(unexpected[:3])})")
+
+
+def merged_model(base_dir: str | Path, adapter_dir: str | Path) -> nn.Module:
+    """A plain transformers model: ``base_dir``'s weights with the adapter in ``adapter_dir`` merged in."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype="auto", local_files_only=True)
+    with warnings.catch_warnings():  # PEFT calls a transformers property deprecated in v5 (FutureWarning)
+        warnings.simplefilter("ignore", FutureWarning)
+        return PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()

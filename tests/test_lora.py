@@ -1,0 +1,174 @@
+"""LoRA through PEFT (issue 18): only adapters train, the reference is the base with them off (no second copy),
+the optimizer holds the adapters alone, checkpoints hold the adapter, resume is exact, and the merged export
+reproduces the trained policy's log-probs."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+import torch
+from rich.console import Console
+
+from polyrl.batch import TokenBatch
+from polyrl.build import build_components
+from polyrl.cli import main
+from polyrl.config import ConfigError, build_config, validate
+from polyrl.methods import get_method
+from polyrl.model import completion_logprobs, load_policy
+from polyrl.rollout.generator import SamplingParams
+from polyrl.rollout.hf import HFGenerator
+from polyrl.tasks.arithmetic import AdditionTask
+from polyrl.tinylm import build_tiny_llama
+from polyrl.trainer import train
+
+QUIET = Console(file=io.StringIO(), width=120)
+LORA = dict(lora_rank=4, lora_alpha=8.0)
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    return str(build_tiny_llama(tmp_path_factory.mktemp("tiny"), hidden=32, layers=2, heads=2, seed=0))
+
+
+def _cfg(**kw):
+    base = dict(steps=2, prompts_per_step=2, group_size=4, max_new_tokens=6, eval_prompts=8, eval_every=0,
+                checkpoint_every=0, tensorboard=False, log_every=0, lr=1e-2, warmup_steps=0, threads=1,
+                reward_funcs="tests.reward_fns:digit_fraction")
+    return build_config({**base, **kw})
+
+
+def _unique_numel(modules) -> int:
+    """Parameters held by ``modules`` counted once each (a shared tensor is one copy)."""
+    seen = {}
+    for m in modules:
+        for p in m.parameters():
+            seen[p.data_ptr()] = p.numel()
+    return sum(seen.values())
+
+
+def test_reference_is_the_base_with_adapters_off_and_costs_no_parameters(tiny_model):
+    method = get_method("grpo")  # a KL preset: it needs a reference
+    assert method.needs_ref
+    full = build_components(_cfg(), method, AdditionTask(), tiny_model).learner
+    lora = build_components(_cfg(**LORA), method, AdditionTask(), tiny_model).learner
+    base = _unique_numel([full.model])
+    adapters = sum(p.numel() for p in lora.model.parameters() if p.requires_grad)
+    assert _unique_numel([full.model, full.reference]) == 2 * base  # the full learner keeps a frozen copy
+    assert _unique_numel([lora.model, lora.reference.model]) == base + adapters  # LoRA: none
+    assert 0 < adapters < base // 4
+    # The optimizer holds the adapters alone.
+    held = {id(p) for group in lora.optimizer.param_groups for p in group["params"]}
+    assert held == {id(p) for n, p in lora.model.named_parameters() if "lora_" in n}
+
+    # With adapters that changed, the reference still scores the base model's log-probs exactly.
+    for name, p in lora.model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.5)
+    gen = HFGenerator(full.model, load_policy(tiny_model, threads=1)[1])
+    samples = gen.generate(["12+34=", "5+7="], SamplingParams(n=2, max_new_tokens=5, seed=1))
+    batch = TokenBatch.from_samples(samples, gen.pad_id)
+    ref = lora.ref_logprobs(batch, samples)
+    base_logp = full.logprobs_nograd(batch).logp  # the untrained full model = the base
+    torch.testing.assert_close(ref, base_logp, atol=1e-6, rtol=0)
+    assert (lora.logprobs_nograd(batch).logp - base_logp).abs().max() > 1e-3  # the adapters do change the policy
+
+
+def test_only_adapters_train_and_export_merges_them(tiny_model, tmp_path):
+    run = tmp_path / "run"
+    cfg = _cfg(**LORA, steps=3, checkpoint_every=3)
+    summary = train(cfg, get_method("grpo"), model_dir=tiny_model, task=AdditionTask(), run_dir=str(run),
+                    console=QUIET)
+    assert summary["steps"] == 3 and summary["skipped_steps"] == 0
+    ck = run / "checkpoints" / "step_000003"
+    assert {p.name for p in (ck / "adapter").iterdir()} >= {"adapter_model.safetensors", "adapter_config.json"}
+    assert not (ck / "model.safetensors").exists()  # the checkpoint holds the adapter, not the base
+    from safetensors.torch import load_file
+
+    adapter = load_file(str(ck / "adapter" / "adapter_model.safetensors"))
+    assert adapter and all("lora_" in k for k in adapter)
+    assert any(k.endswith("lora_B.weight") and v.abs().max() > 0 for k, v in adapter.items())  # B moved off zero
+
+    # The trained policy = the base with the saved adapter (PEFT's own loader), vs polyrl's merged export.
+    from peft import PeftModel
+
+    base, tokenizer = load_policy(tiny_model, threads=1)
+    trained = PeftModel.from_pretrained(base, str(ck / "adapter")).eval()
+    out = tmp_path / "merged"
+    assert main(["export", str(run), str(out), "--model", tiny_model]) == 0  # a run directory: its newest checkpoint
+    merged, _ = load_policy(out, threads=1)
+    assert not any("lora" in k for k in merged.state_dict())
+    gen = HFGenerator(merged, tokenizer)
+    samples = gen.generate(["12+34=", "50+7=", "3+3="], SamplingParams(n=2, max_new_tokens=6, seed=3))
+    batch = TokenBatch.from_samples(samples, gen.pad_id)
+    args = (batch.input_ids, batch.attention_mask, batch.completion_mask)
+    with torch.no_grad():
+        want = completion_logprobs(trained.get_base_model(), *args).logp
+        got = completion_logprobs(merged, *args).logp
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    start, _ = load_policy(tiny_model, threads=1)
+    assert (completion_logprobs(start, *args).logp - want).abs().max() > 1e-4  # training did move the policy
+
+
+def test_lora_resume_is_exact(tiny_model, tmp_path):
+    method = get_method("grpo")
+    train(_cfg(**LORA, steps=4), method, model_dir=tiny_model, task=AdditionTask(), run_dir=str(tmp_path / "a"),
+          console=QUIET)
+    train(_cfg(**LORA, steps=2), method, model_dir=tiny_model, task=AdditionTask(), run_dir=str(tmp_path / "b"),
+          console=QUIET)
+    train(_cfg(**LORA, steps=4, resume=True), method, model_dir=tiny_model, task=AdditionTask(),
+          run_dir=str(tmp_path / "b"), console=QUIET)
+    from safetensors.torch import load_file
+
+    a, b = (load_file(str(tmp_path / r / "checkpoints" / "step_000004" / "adapter" / "adapter_model.safetensors"))
+            for r in "ab")
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+@pytest.mark.parametrize("values,needle", [
+    ({"lora_alpha": 32.0}, "lora_alpha = 32.0 is not allowed; only applies with LoRA"),
+    ({"lora_dropout": 0.1}, "lora_dropout = 0.1 is not allowed; only applies with LoRA"),
+    ({"lora_rank": -1}, "lora_rank = -1 is not allowed"),
+    ({"lora_rank": 4, "lora_dropout": 1.0}, "lora_dropout = 1.0 is not allowed; must be in [0, 1)"),
+    ({"lora_rank": 4, "nproc": 2}, "lora_rank = 4 is not allowed; does not combine with nproc > 1"),
+])
+def test_bad_lora_settings_are_one_line(values, needle):
+    with pytest.raises(ConfigError, match=None) as e:
+        validate(build_config(values))
+    assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+def test_bad_targets_and_moot_methods_are_refused(tiny_model, tmp_path, capsys):
+    code = main(["train", "--model", tiny_model, "--lora-rank", "4", "--lora-targets", "nonexistent_proj",
+                 "--steps", "1", "--run-dir", str(tmp_path / "r1"), "--threads", "1"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "lora_targets = 'nonexistent_proj'" in err and len(err.splitlines()) == 1
+    code = main(["train", "--model", tiny_model, "--lora-rank", "4", "--lora-targets", "lm_head",
+                 "--steps", "1", "--run-dir", str(tmp_path / "r2"), "--threads", "1"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "names the LM head" in err
+    code = main(["train", "--model", tiny_model, "--lora-rank", "4", "--method", "humanline_grpo",
+                 "--steps", "1", "--run-dir", str(tmp_path / "r3"), "--threads", "1"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "reference follows the policy" in err, err
+    saved = tmp_path / "r3" / "config.json"
+    assert not saved.exists() or json.loads(saved.read_text())
+
+
+def test_rollout_workers_sample_with_the_merged_weights(tiny_model, tmp_path):
+    """A Ray rollout worker holds the base architecture: it receives the merged weights and samples the batches the
+    in-process LoRA run samples (same keys), so the runs' rewards agree step by step."""
+    pytest.importorskip("ray")
+    method = get_method("grpo")
+    for name, extra in (("local", {}), ("workers", {"rollout_workers": 1, "ray_cpus": 1})):
+        train(_cfg(**LORA, steps=3, **extra), method, model_dir=tiny_model, task=AdditionTask(),
+              run_dir=str(tmp_path / name), console=QUIET)
+    rows = {name: [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+                   if "reward/mean" in line] for name in ("local", "workers")}
+    assert len(rows["local"]) == 3
+    for a, b in zip(rows["local"], rows["workers"]):
+        assert a["reward/mean"] == b["reward/mean"]
+        assert abs(a["objective/loss"] - b["objective/loss"]) < 1e-4
