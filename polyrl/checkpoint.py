@@ -26,6 +26,7 @@ from polyrl.errors import CheckpointError  # re-exported: defined without torch 
 
 FORMAT = 1
 _FILES = ("model.safetensors", "trainer_state.pt")
+ADAPTER_DIR = "adapter"  # a LoRA run's policy weights: the PEFT adapter alone (adapter_config.json, adapter_model...)
 
 
 def _sha256(path: Path) -> str:
@@ -72,9 +73,9 @@ def save_checkpoint(
         shutil.rmtree(tmp)
     tmp.mkdir()
     if adapters is not None:
-        from polyrl.learner.lora import ADAPTER_DIR, save_adapter
-
-        files = ["trainer_state.pt", *save_adapter(adapters, tmp / ADAPTER_DIR)]
+        adapters.save_pretrained(tmp / ADAPTER_DIR)
+        files = ["trainer_state.pt", *sorted(str(p.relative_to(tmp)) for p in (tmp / ADAPTER_DIR).rglob("*")
+                                            if p.is_file())]
     else:
         save_model(model, str(tmp / "model.safetensors"))
         files = list(_FILES)
@@ -195,8 +196,6 @@ def load_checkpoint(
     adapters: Any | None = None,
 ) -> dict[str, Any]:
     """Restore everything saved by ``save_checkpoint`` in place; return the trainer's ``state`` dict."""
-    from polyrl.learner.lora import ADAPTER_DIR, load_adapter
-
     path = Path(path)
     meta = verify_checkpoint(path)
     saved_adapter = f"{ADAPTER_DIR}/adapter_model.safetensors" in meta["files"]
@@ -204,7 +203,13 @@ def load_checkpoint(
         held, wanted = ("a LoRA adapter", "a full model") if saved_adapter else ("full weights", "LoRA adapters")
         raise CheckpointError(f"checkpoint {path} holds {held}, but this run trains {wanted} (lora_rank differs)")
     if adapters is not None:
-        load_adapter(adapters, path / ADAPTER_DIR)
+        from peft import set_peft_model_state_dict
+        from safetensors.torch import load_file
+
+        result = set_peft_model_state_dict(adapters, load_file(str(path / ADAPTER_DIR / "adapter_model.safetensors")))
+        if getattr(result, "unexpected_keys", None):
+            raise CheckpointError(f"checkpoint {path}: its adapter does not fit this model (unexpected: "
+                                  f"{', '.join(result.unexpected_keys[:3])})")
     else:
         load_model(model, str(path / "model.safetensors"))
     for name, extra in (extra_models or {}).items():

@@ -23,7 +23,9 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-ADAPTER_DIR = "adapter"  # the checkpoint's sub-directory holding the PEFT adapter
+from polyrl.checkpoint import ADAPTER_DIR  # the checkpoint's sub-directory holding the PEFT adapter
+
+__all__ = ["ADAPTER_DIR", "BaseReference", "add_adapters", "merged_model", "plain_state_dict", "trainable_parameters"]
 
 
 def add_adapters(model: nn.Module, *, rank: int, alpha: float, targets: str, dropout: float):
@@ -96,23 +98,6 @@ class BaseReference:
 def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
     """The parameters an optimizer should hold: all of them, or only the adapters of a LoRA model."""
     return [p for p in model.parameters() if p.requires_grad]
-
-
-def save_adapter(peft_model, directory: Path) -> list[str]:
-    """Write the adapter in PEFT's format into ``directory``; return the files written (relative to its parent)."""
-    peft_model.save_pretrained(directory)
-    return sorted(str(p.relative_to(directory.parent)) for p in directory.rglob("*") if p.is_file())
-
-
-def load_adapter(peft_model, directory: Path) -> None:
-    """Load adapter weights saved by ``save_adapter`` into ``peft_model`` in place (strict on the adapter's keys)."""
-    from peft import set_peft_model_state_dict
-    from safetensors.torch import load_file
-
-    result = set_peft_model_state_dict(peft_model, load_file(str(directory / "adapter_model.safetensors")))
-    unexpected = getattr(result, "unexpected_keys", [])
-    if unexpected:
-        raise ValueError(f"adapter in {directory} does not fit this model (unexpected: {', '.join(unexpected[:3])})")
 
 
 def merged_model(base_dir: str | Path, adapter_dir: str | Path) -> nn.Module:
