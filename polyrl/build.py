@@ -272,6 +272,7 @@ def build_components(cfg: TrainConfig, method, task, model_dir: str) -> Componen
     rank 0, which generates with its own full copy of the policy (``polyrl.ranks``).
     """
     import copy
+    import dataclasses
 
     from polyrl.batch import boundary_token_ids
     from polyrl.evaluation import Evaluator
@@ -325,6 +326,13 @@ def build_components(cfg: TrainConfig, method, task, model_dir: str) -> Componen
     def sampling(step: int) -> SamplingParams:
         return SamplingParams(n=cfg.group_size, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
                               top_p=cfg.top_p, top_k=cfg.top_k or None, seed=cfg.seed * 1_000_003 + step)
+
+    if cfg.drift.prompts:  # before any update or checkpoint load: the probe set is the starting policy's
+        from polyrl.drift import DRIFT_SEED, DriftMeter
+
+        probes = task.prompts("test", cfg.drift.prompts, seed=DRIFT_SEED)
+        evaluate = DriftMeter(evaluate, learner, runner, probes, dataclasses.replace(sampling(0), n=1, seed=DRIFT_SEED),
+                              generator.pad_id)
 
     sampler = _rollout_runner(cfg, method, learner, runner, arbiter, model_dir)  # the evaluator keeps `runner`
     if cfg.sampler == "tree":

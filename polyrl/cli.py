@@ -69,6 +69,11 @@ def cmd_methods(args: argparse.Namespace) -> int:
         table.add_row(*r.values())
     out.print(table)
     out.print("Details: [bold]polyrl explain NAME[/]; overrides such as --trust-region dppo_tv:delta_low=0.1")
+    from polyrl.safety import TOOLS
+
+    out.print("Alignment and safety tools ([bold]polyrl safety TOOL --help[/]):")
+    for name, (_, line) in TOOLS.items():
+        out.print(f"  {name:<11} {line}")
     if not args.wide:
         out.print("One column per part: [bold]polyrl methods --wide[/]")
     return 0
@@ -357,6 +362,14 @@ def build_parser(*, family: str | None = None) -> OneLineParser:
             add_parser(fam, sub)
         else:
             sub.add_parser(fam.name, help=fam.help, add_help=False)
+    from polyrl.safety import HELP as SAFETY_HELP
+
+    if family == "safety":  # the toolkit's tools may import torch: its real parser is built only for its command
+        from polyrl.safety.cli import add_parser as add_safety_parser
+
+        add_safety_parser(sub)
+    else:
+        sub.add_parser("safety", help=SAFETY_HELP, add_help=False)
 
     p = sub.add_parser("train", help="RL-train a local Hugging Face causal LM with a preset (and overrides)")
     add_train_args(p)
@@ -430,7 +443,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.argv = argv  # `polyrl train --nproc N` runs the same command in N processes
     from polyrl.families import FAMILIES
 
-    if args.command in FAMILIES:  # its real parser may import torch, so it is built only now
+    if args.command in FAMILIES or args.command == "safety":  # its real parser may import torch: built only now
         parser = build_parser(family=args.command)
         args, extra = parser.parse_known_args(argv)
     if extra:

@@ -4,8 +4,8 @@
 (``rollout/tree/config.py``), ``agency`` (``rollout/agency/config.py``), ``prefetch``
 (``rollout/source.py``), ``scale`` (Ray rollout workers and training processes, ``launch.py``),
 ``critic`` and ``lora`` (``learner/config.py``), ``engine`` (``rollout/engine_config.py``), ``guard``
-(``guard.py``), ``data`` (the data file and the prompt format, ``tasks/config.py``) and ``log``
-(``logconfig.py``). Users name every setting flat:
+(``guard.py``), ``drift`` (``drift.py``), ``data`` (the data file and the prompt format,
+``tasks/config.py``) and ``log`` (``logconfig.py``). Users name every setting flat:
 ``--tree-roots`` / ``tree_roots`` is ``cfg.tree.roots``, and a feature's own switch keeps its name
 (``--agency DIR``, ``--guard``). ``settings`` lists them; ``add_config_args`` turns them into flags
 (help text = the field's docstring), ``load_toml`` reads a file of flat keys or feature tables
@@ -30,6 +30,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal, NamedTuple
 
+from polyrl.drift import DriftConfig
 from polyrl.guard import GuardConfig
 from polyrl.launch import ScaleConfig
 from polyrl.learner.config import CriticConfig, LoraConfig
@@ -133,6 +134,8 @@ class TrainConfig:
     """compute the LM head in float32 (ScaleRL)"""
     guard: GuardConfig = field(default_factory=GuardConfig)
     """the collapse guard: flags --guard, --guard-*, TOML table [guard]"""
+    drift: DriftConfig = field(default_factory=DriftConfig)
+    """the drift meter: flag --drift-prompts, TOML table [drift]"""
     max_bad_steps: int = 5
     """stop after this many consecutive steps with a non-finite loss"""
     log: LogConfig = field(default_factory=LogConfig)
@@ -376,6 +379,10 @@ def validate(config: TrainConfig) -> None:
         _rule(name, getattr(cfg, name), cfg.agency is not None or getattr(cfg, name) == getattr(default, name),
               "only applies with agency transfer (add --agency DIR)")
     _rule("value_clip", cfg.value_clip, cfg.value_clip > 0, "must be > 0")
+    _rule("drift_prompts", cfg.drift_prompts, cfg.drift_prompts >= 0, "must be an integer >= 0 (0 = off)")
+    _rule("drift_prompts", cfg.drift_prompts, not cfg.drift_prompts or (cfg.nproc == 1 and cfg.agency is None),
+          "does not combine with nproc > 1 or --agency (it scores the probe set with the policy in this process, "
+          "sampled from the starting policy alone)")
     _rule("lora_rank", cfg.lora_rank, cfg.lora_rank >= 0, "must be an integer >= 0 (0 = full fine-tuning)")
     _rule("lora_alpha", cfg.lora_alpha, cfg.lora_alpha > 0, "must be > 0")
     _rule("lora_dropout", cfg.lora_dropout, 0 <= cfg.lora_dropout < 1, "must be in [0, 1)")

@@ -75,7 +75,7 @@ ALWAYS = {"method", "task", "reward_funcs", "reward_weights", "model", "run_dir"
           "agency", "async_staleness", "eval_every", "eval_prompts", "checkpoint_every", "resume", "resume_from",
           "overwrite", "seed", "threads", "dtype", "guard", "max_bad_steps", "log_every", "tensorboard", "wandb",
           "chat_template",
-          "rollout_workers", "nproc", "generator", "lora_rank"}
+          "rollout_workers", "nproc", "generator", "lora_rank", "drift_prompts"}
 
 
 def test_every_field_is_classified():
