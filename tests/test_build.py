@@ -16,16 +16,10 @@ from polyrl.methods import get_method
 from polyrl.objectives.group_layout import advantages
 from polyrl.rollout.collect import RolloutBatch
 from polyrl.tasks.arithmetic import AdditionTask
-from polyrl.tinylm import build_tiny_llama
 from polyrl.trainer import train
 from polyrl.types import TreeInfo
 
 QUIET = Console(file=io.StringIO(), width=120)
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    return str(build_tiny_llama(tmp_path_factory.mktemp("tiny"), hidden=32, layers=2, heads=2, seed=0))
 
 
 def _resolve(argv, tmp_path):

@@ -22,16 +22,10 @@ from polyrl.build import add_train_args, resolve_train
 from polyrl.config import ConfigError
 from polyrl.methods import PRESETS, get_method
 from polyrl.registry import PartError
-from polyrl.tinylm import build_tiny_llama
 from polyrl.trainer import train
 
 QUIET = Console(file=io.StringIO(), width=120)
 CHANNELS = "task,tests.reward_fns:digit_fraction"
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    return str(build_tiny_llama(tmp_path_factory.mktemp("tiny"), hidden=32, layers=2, heads=2, seed=0))
 
 
 def _combinations():

@@ -12,16 +12,10 @@ from rich.console import Console
 from polyrl.config import ConfigError, build_config, validate
 from polyrl.methods import get_method
 from polyrl.tasks.arithmetic import AdditionTask
-from polyrl.tinylm import build_tiny_llama
 from polyrl.trainer import train
 
 QUIET = Console(file=io.StringIO(), width=120)
 KEYS = ("drift/kl_k1", "drift/kl_k3", "drift/hidden_cos", "drift/hidden_shift")
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    return str(build_tiny_llama(tmp_path_factory.mktemp("tiny"), hidden=32, layers=2, heads=2, seed=0))
 
 
 def _cfg(**kw):

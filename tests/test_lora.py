@@ -20,16 +20,10 @@ from polyrl.model import completion_logprobs, load_policy
 from polyrl.rollout.generator import SamplingParams
 from polyrl.rollout.hf import HFGenerator
 from polyrl.tasks.arithmetic import AdditionTask
-from polyrl.tinylm import build_tiny_llama
 from polyrl.trainer import train
 
 QUIET = Console(file=io.StringIO(), width=120)
 LORA = dict(lora_rank=4, lora_alpha=8.0)
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    return str(build_tiny_llama(tmp_path_factory.mktemp("tiny"), hidden=32, layers=2, heads=2, seed=0))
 
 
 def _cfg(**kw):

@@ -11,12 +11,6 @@ from rich.console import Console
 
 from polyrl.cli import main
 from polyrl.logging import StepProgress
-from polyrl.tinylm import build_tiny_llama
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    return str(build_tiny_llama(tmp_path_factory.mktemp("tiny"), hidden=32, layers=2, heads=2, seed=0))
 
 
 def _small(model, run):

@@ -13,15 +13,9 @@ from polyrl.cli import main
 from polyrl.config import TrainConfig, build_config
 from polyrl.methods import PRESETS, get_method
 from polyrl.tasks.arithmetic import AdditionTask
-from polyrl.tinylm import build_tiny_llama
 from polyrl.trainer import train
 
 QUIET = Console(file=io.StringIO(), width=120)
-
-
-@pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory):
-    return str(build_tiny_llama(tmp_path_factory.mktemp("tiny"), hidden=32, layers=2, heads=2, seed=0))
 
 
 def _cfg(**kw) -> TrainConfig:

@@ -13,12 +13,6 @@ import torch
 
 from polyrl.build import add_train_args, resolve_train
 from polyrl.config import ConfigError
-from polyrl.tinylm import build_tiny_llama
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    return str(build_tiny_llama(tmp_path_factory.mktemp("tiny"), hidden=32, layers=2, heads=2, seed=0))
 
 
 def _resolve(argv, tmp_path):
