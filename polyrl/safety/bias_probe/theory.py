@@ -158,14 +158,18 @@ def simulate_bandit_onsets(p0: float, *, seeds: int = 20, k: int = 3, group: int
     return BanditResult(onsets=onsets, curves=curves, steps_run=step)
 
 
-def median_ci(values, level: float = 0.9, n_boot: int = 2000, seed: int = 0) -> tuple[float, float, float]:
+def median_ci(values, level: float = 0.9, n_boot: int = 2000, seed: int = 0,
+              sample_size: int | None = None) -> tuple[float, float, float]:
     """(median, lo, hi): percentile-bootstrap interval of the median over seeds (resampling with replacement).
 
+    ``sample_size`` = m draws resamples of m seeds instead of len(values): (lo, hi) is then the 90% range of the
+    median of a fresh m-seed experiment (used to ask whether the spec's 20-seed medians are consistent with our
+    onset distribution, since their medians carry 20-seed noise of their own).
     Convention: the spec's table reports medians, so the interval is for the median (``bootstrap_ci`` of
     polyrl.lab.stats gives the mean's); censored seeds (no onset) enter as +inf, so an interval may be open.
     """
     v = np.asarray(values, dtype=float)
-    idx = np.random.default_rng(seed).integers(0, v.size, size=(n_boot, v.size))
+    idx = np.random.default_rng(seed).integers(0, v.size, size=(n_boot, sample_size or v.size))
     meds = np.median(v[idx], axis=1)
     lo, hi = np.quantile(meds, [(1 - level) / 2, 1 - (1 - level) / 2], method="nearest")
     return float(np.median(v)), float(lo), float(hi)

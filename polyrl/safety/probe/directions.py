@@ -23,7 +23,8 @@ ProbeMethod = Literal["diffmean", "logreg"]
 
 @dataclass(frozen=True)
 class Probe:
-    """A linear probe: unit direction ``w`` [d], offset ``b`` (predict 1 where x.w + b > 0), in-sample ``acc``."""
+    """A linear probe: unit direction ``w`` [d] (float64), offset ``b`` (predict 1 where x.w + b > 0), and its
+    in-sample accuracy ``acc``."""
 
     w: torch.Tensor
     b: float
@@ -67,29 +68,34 @@ def fit_probe(acts: torch.Tensor, labels: torch.Tensor, method: ProbeMethod = "d
         w = diff / norm
         b = float(-(w @ (mu1 + mu0)) / 2)
     elif method == "logreg":
-        v = torch.zeros(x.shape[1], dtype=torch.float64, requires_grad=True)
-        c = torch.zeros((), dtype=torch.float64, requires_grad=True)
-        opt = torch.optim.LBFGS([v, c], lr=1.0, max_iter=max_iter, tolerance_grad=1e-10, tolerance_change=1e-12,
-                                line_search_fn="strong_wolfe")
-        target = y.double()
-
-        def closure():
-            opt.zero_grad()
-            loss = logreg_loss(x, target, v, c, l2)
-            loss.backward()
-            return loss
-
-        with torch.enable_grad():
-            opt.step(closure)
-        v, c = v.detach(), c.detach()
+        v, c = fit_logreg(x, y.double(), l2=l2, max_iter=max_iter)
         norm = v.norm()
         if norm == 0:
             raise ValueError("logistic probe found no direction (all weights zero)")
         w, b = v / norm, float(c / norm)
     else:
         raise ValueError(f"method must be 'diffmean' or 'logreg', got {method!r}")
-    probe = Probe(w=w.float(), b=b, acc=0.0)
-    return Probe(w=probe.w, b=b, acc=probe.accuracy(acts, labels))
+    return Probe(w=w, b=b, acc=Probe(w=w, b=b, acc=0.0).accuracy(acts, labels))
+
+
+def fit_logreg(x: torch.Tensor, y: torch.Tensor, *, l2: float = 1e-3,
+               max_iter: int = 200) -> tuple[torch.Tensor, torch.Tensor]:
+    """The minimiser (v, c) of ``logreg_loss`` by L-BFGS (strong Wolfe line search) in float64, from zero."""
+    x, y = x.double(), y.double()
+    v = torch.zeros(x.shape[1], dtype=torch.float64, requires_grad=True)
+    c = torch.zeros((), dtype=torch.float64, requires_grad=True)
+    opt = torch.optim.LBFGS([v, c], lr=1.0, max_iter=max_iter, tolerance_grad=1e-10, tolerance_change=1e-12,
+                            line_search_fn="strong_wolfe")
+
+    def closure():
+        opt.zero_grad()
+        loss = logreg_loss(x, y, v, c, l2)
+        loss.backward()
+        return loss
+
+    with torch.enable_grad():
+        opt.step(closure)
+    return v.detach(), c.detach()
 
 
 def logreg_loss(x: torch.Tensor, y: torch.Tensor, v: torch.Tensor, c: torch.Tensor, l2: float) -> torch.Tensor:
@@ -132,7 +138,11 @@ def direction_persistence(acts_base: torch.Tensor, acts_tuned: torch.Tensor, lab
     - ``probe_acc_base``: P_b on base; ``probe_acc_transfer``: P_b (w_b and b_b unchanged) on tuned;
       ``probe_acc_tuned``: P_t on tuned (is the attribute still linearly readable at all);
     - ``proj_std_ratio = std(p_tuned) / std(p_base)``; ``proj_range_ratio = range(p_tuned) / range(p_base)``;
-      ``proj_gap_ratio``: ratio of the class-mean gaps along w_b.
+      ``proj_gap_ratio``: ratio of the class-mean gaps along w_b;
+    - ``orth_std_ratio = sqrt(tr Cov(Q x_tuned) / tr Cov(Q x_base))`` with ``Q = I - w_b w_b^T``: the spread of
+      everything else; ``selective_ratio = proj_std_ratio / orth_std_ratio`` is below 1 only when the direction
+      is compressed more than the rest of the residual stream (a control [ours]: tuning can shrink the whole
+      stream, which a following RMSNorm undoes).
 
     Convention [ours]: ratios along the *base* direction, pooled over classes (``projection_stats``); the paper
     reports std and range of the projection [sec], here divided tuned / base so that 0.3 means "3x compressed".
@@ -143,13 +153,29 @@ def direction_persistence(acts_base: torch.Tensor, acts_tuned: torch.Tensor, lab
         raise ValueError(f"acts_base {tuple(acts_base.shape)} and acts_tuned {tuple(acts_tuned.shape)} differ")
     pb, pt = fit_probe(acts_base, labels, method), fit_probe(acts_tuned, labels, method)
     sb, st = projection_stats(acts_base, pb.w, labels), projection_stats(acts_tuned, pb.w, labels)
+    orth = orth_std_ratio(acts_base, acts_tuned, pb.w)
+    std_ratio = st["std"] / sb["std"] if sb["std"] > 0 else float("nan")
     return {
         "cosine": float(pb.w.double() @ pt.w.double()),
         "probe_acc_base": pb.acc,
         "probe_acc_transfer": pb.accuracy(acts_tuned, labels),
         "probe_acc_tuned": pt.acc,
-        "proj_std_ratio": st["std"] / sb["std"] if sb["std"] > 0 else float("nan"),
+        "proj_std_ratio": std_ratio,
         "proj_range_ratio": st["range"] / sb["range"] if sb["range"] > 0 else float("nan"),
         "proj_gap_ratio": st["gap"] / sb["gap"] if sb["gap"] != 0 else float("nan"),
+        "orth_std_ratio": orth, "selective_ratio": std_ratio / orth if orth > 0 else float("nan"),
         "proj_std_base": sb["std"], "proj_std_tuned": st["std"],
     }
+
+
+def orth_std_ratio(acts_base: torch.Tensor, acts_tuned: torch.Tensor, w: torch.Tensor) -> float:
+    """``sqrt(tr Cov(Q x_tuned) / tr Cov(Q x_base))``, ``Q = I - w w^T / ||w||^2`` (population covariances)."""
+    u = w.double() / w.double().norm()
+
+    def spread(x: torch.Tensor) -> float:
+        x = x.double()
+        r = x - (x @ u)[:, None] * u[None, :]
+        return float((r - r.mean(0)).pow(2).sum(1).mean())
+
+    base = spread(acts_base)
+    return (spread(acts_tuned) / base) ** 0.5 if base > 0 else float("nan")

@@ -79,13 +79,17 @@ class GridWorld:
         return 1.0 if s_next == self.hazard else 0.0
 
     def transition_matrix(self) -> np.ndarray:
-        """P[s, a, s'] = (1 - slip) [s' = move(s, a)] + slip / 4 * sum_b [s' = move(s, b)]."""
+        """P[s, a, s'] = (1 - slip) [s' = move(s, a)] + slip / 4 * sum_b [s' = move(s, b)] (cached)."""
+        cached = self.__dict__.get("_P")
+        if cached is not None:
+            return cached
         P = np.zeros((self.n_states, self.n_actions, self.n_states))
         for s in range(self.n_states):
             for a in range(self.n_actions):
                 P[s, a, self.move(s, a)] += 1.0 - self.slip
                 for b in range(self.n_actions):
                     P[s, a, self.move(s, b)] += self.slip / self.n_actions
+        self.__dict__["_P"] = P
         return P
 
     def step(self, s: int, a: int, rng: np.random.Generator) -> tuple[int, float, float, bool]:
