@@ -20,7 +20,7 @@ HELP = "alignment and safety toolkit: bias-probe, probe, redteam, ggro, unlearn"
 # command -> (module under polyrl.safety, one line for --help and `polyrl methods`)
 TOOLS: dict[str, tuple[str, str]] = {
     "bias-probe": ("bias_probe", "one-shot bias: GRPO on one flipped example, onset step vs the closed form"),
-    "probe": ("probe", "neutral mask: probe directions before/after RL, persistence, sparse autoencoder, steering"),
+    "probe": ("probe", "neutral mask: probe directions before/after RL, persistence, SAE, steering"),
     "redteam": ("redteam", "AdvGRPO: attacker/defender co-training with per-channel (GDPO) normalisation"),
     "ggro": ("ggro", "GGRO: reward-gradient token swaps at decoding time vs best-of-N at matched compute"),
     "unlearn": ("unlearn", "Safe-RULE: offline safe RL on poisoned transitions, unlearning vs clean retraining"),
