@@ -59,23 +59,33 @@ def fit_probe(acts: torch.Tensor, labels: torch.Tensor, method: ProbeMethod = "d
     Convention: logistic regression on raw (unstandardised) activations, L2 on v only (not on c), l2 = 1e-3.
     """
     x, y = _check(acts, labels)
-    if method == "diffmean":
-        mu1, mu0 = x[y == 1].mean(0), x[y == 0].mean(0)
-        diff = mu1 - mu0
-        norm = diff.norm()
-        if norm == 0:
-            raise ValueError("class means coincide: no diff-of-means direction")
-        w = diff / norm
-        b = float(-(w @ (mu1 + mu0)) / 2)
-    elif method == "logreg":
-        v, c = fit_logreg(x, y.double(), l2=l2, max_iter=max_iter)
-        norm = v.norm()
-        if norm == 0:
-            raise ValueError("logistic probe found no direction (all weights zero)")
-        w, b = v / norm, float(c / norm)
-    else:
+    if method not in _FITTERS:
         raise ValueError(f"method must be 'diffmean' or 'logreg', got {method!r}")
+    w, b = _FITTERS[method](x, y, l2=l2, max_iter=max_iter)
     return Probe(w=w, b=b, acc=Probe(w=w, b=b, acc=0.0).accuracy(acts, labels))
+
+
+def _diffmean(x: torch.Tensor, y: torch.Tensor, **_: float) -> tuple[torch.Tensor, float]:
+    """Unit difference of the class means and the midpoint threshold."""
+    mu1, mu0 = x[y == 1].mean(0), x[y == 0].mean(0)
+    diff = mu1 - mu0
+    norm = diff.norm()
+    if norm == 0:
+        raise ValueError("class means coincide: no diff-of-means direction")
+    w = diff / norm
+    return w, float(-(w @ (mu1 + mu0)) / 2)
+
+
+def _logreg(x: torch.Tensor, y: torch.Tensor, *, l2: float, max_iter: int) -> tuple[torch.Tensor, float]:
+    """The logistic probe's weights, normalised to a unit direction and its offset."""
+    v, c = fit_logreg(x, y.double(), l2=l2, max_iter=max_iter)
+    norm = v.norm()
+    if norm == 0:
+        raise ValueError("logistic probe found no direction (all weights zero)")
+    return v / norm, float(c / norm)
+
+
+_FITTERS = {"diffmean": _diffmean, "logreg": _logreg}  # probe kind -> (x, y) -> (unit direction, offset)
 
 
 def fit_logreg(x: torch.Tensor, y: torch.Tensor, *, l2: float = 1e-3,
