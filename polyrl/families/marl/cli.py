@@ -1,0 +1,185 @@
+"""`polyrl marl train | methods | report`: the formation family from the command line.
+
+``add_parser(subparsers)`` is the family seam's entry; ``check_train_flags`` serves ``polyrl compare --family marl``
+(presets ``mappo`` and ``ippo``). Bad values raise ``ConfigError`` in one line naming the field, the value and what
+is allowed (exit 2). ``--resume`` continues a run from its ``checkpoint.pt`` with its saved settings; only
+``--steps``, ``--eval-every``, ``--checkpoint-every``, ``--threads`` and ``--tensorboard`` may change.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict, fields
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from polyrl.config import ConfigError
+from polyrl.families.marl import HELP as MARL_HELP
+
+console = Console() if sys.stdout.isatty() else Console(width=200)
+MAY_CHANGE = ("steps", "eval_every", "checkpoint_every", "threads", "tensorboard")
+
+
+def _given(args: argparse.Namespace) -> dict:
+    from polyrl.config import load_toml
+    from polyrl.families.marl.train import MarlTrainConfig
+
+    values = load_toml(args.config, MarlTrainConfig) if args.config else {}
+    values.update({f.name: getattr(args, f.name) for f in fields(MarlTrainConfig) if getattr(args, f.name) is not None})
+    return values
+
+
+def _build(values: dict):
+    from polyrl.config import build_config
+    from polyrl.families.marl.train import MarlTrainConfig, validate_config
+
+    cfg = build_config(values, MarlTrainConfig)
+    try:
+        validate_config(cfg)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    return cfg
+
+
+def resume_config(run_dir: Path, given: dict):
+    """The saved run's settings with the allowed changes from ``given`` (ConfigError on any other difference).
+
+    The changes are appended to ``config_history.jsonl`` by the caller (``polyrl.runs.record_resume``)."""
+    rec = run_dir / "config.json"
+    if not (run_dir / "checkpoint.pt").is_file() or not rec.is_file():
+        raise ConfigError(f"run_dir = '{run_dir}' has no checkpoint.pt and config.json to resume from")
+    saved = json.loads(rec.read_text())
+    values, changes = dict(saved["config"]), {}
+    for k, v in given.items():
+        if k in values and values[k] != v:
+            if k not in MAY_CHANGE:
+                raise ConfigError(f"{k} = {v!r} differs from the run's {values[k]!r}; with --resume only "
+                                  f"{', '.join(MAY_CHANGE)} may change")
+            changes[k] = [values[k], v]
+            values[k] = v
+    return _build(values), saved["method"], changes
+
+
+def cmd_marl_train(args: argparse.Namespace) -> int:
+    from polyrl.families.marl.methods import get_marl_method
+    from polyrl.families.marl.train import train_marl
+    from polyrl.runs import start_run_dir, write_record
+
+    given = _given(args)
+    if args.resume:
+        if not args.run_dir:
+            raise ConfigError("resume needs --run-dir (the run to continue)")
+        run_dir = Path(args.run_dir)
+        cfg, method_name, changes = resume_config(run_dir, given)
+        if args.method is not None and args.method != method_name:
+            raise ConfigError(f"method = {args.method!r} differs from the run's {method_name!r}")
+        method = get_marl_method(method_name)
+        (run_dir / "summary.json").unlink(missing_ok=True)
+        import torch
+
+        from polyrl.runs import record_resume
+
+        step = torch.load(run_dir / "checkpoint.pt", weights_only=False)["step"]
+        record_resume(run_dir, step, "checkpoint.pt", changes)
+    else:
+        cfg = _build(given)
+        method = get_marl_method(args.method or "mappo")
+        run_dir = start_run_dir(args.run_dir or f"runs/marl/{method.name}-s{cfg.seed}", overwrite=args.overwrite)
+        write_record(run_dir, {"config": asdict(cfg), "method": method.name, "parts": {
+            "critic": method.critic, "advantage": "gae", "trust_region": "clip", "aggregation": "token_mean",
+            "value_loss": "clipped_value_loss"}})
+    console.print(f"marl method: {method.name} (critic {method.critic}); teams {cfg.teams}, "
+                  f"{cfg.envs} episodes x {cfg.horizon} steps per batch")
+    s = train_marl(cfg, method, run_dir=run_dir, console=console, resume=args.resume)
+    table = Table(title=f"{method.name} formation")
+    for col in ("success train dist", "success held-out", "reward first", "reward last", "steps", "wall s"):
+        table.add_column(col, justify="right")
+    table.add_row(f"{s['success_train']:.3f}", f"{s['success_heldout']:.3f}", f"{s['reward_first']:.3f}",
+                  f"{s['reward_last']:.3f}", str(cfg.steps), f"{s['wall_seconds']:.1f}")
+    console.print(table)
+    console.print(f"run files: {run_dir}/ (summary.json, metrics.jsonl, curves.png, checkpoint.pt)")
+    return 0
+
+
+def cmd_marl_methods(args: argparse.Namespace) -> int:
+    from polyrl.families.marl.methods import MARL_METHODS
+
+    table = Table(title=f"marl presets ({len(MARL_METHODS)})")
+    for col in ("name", "critic", "paper", "summary"):
+        table.add_column(col, overflow="fold")
+    for m in MARL_METHODS.values():
+        table.add_row(m.name, m.critic, m.paper, m.summary)
+    console.print(table)
+    return 0
+
+
+def cmd_marl_report(args: argparse.Namespace) -> int:
+    from polyrl.families.marl.report import run_report
+
+    if args.seeds < 1:
+        raise ConfigError(f"seeds = {args.seeds} is not allowed; allowed: an integer >= 1")
+    given = _given(args)
+    given.pop("seed", None)
+    cfg = _build(given)
+    paths = run_report(cfg, seeds=args.seeds, out=Path(args.out), methods=args.methods.split(","), console=console,
+                       ci=args.ci)
+    console.print(f"report: {paths['html']}  results: {paths['results']}")
+    return 0
+
+
+def add_train_args(p: argparse.ArgumentParser) -> None:
+    """Every `polyrl marl train` option: the preset, a TOML file, one flag per ``MarlTrainConfig`` field."""
+    from polyrl.config import add_config_args
+    from polyrl.families.marl.methods import MARL_METHODS
+    from polyrl.families.marl.train import MarlTrainConfig
+
+    p.add_argument("--method", help=f"preset: {', '.join(MARL_METHODS)} (default: mappo)")
+    p.add_argument("--config", metavar="FILE.toml", help="TOML file of the settings below; flags override it")
+    p.add_argument("--run-dir", help="output directory (default: runs/marl/METHOD-sSEED)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing run in --run-dir")
+    p.add_argument("--resume", action="store_true", help="continue the run in --run-dir from its checkpoint.pt")
+    add_config_args(p, MarlTrainConfig)
+
+
+def check_train_flags(argv: list[str]) -> None:
+    """Resolve `polyrl marl train` flags without running (ConfigError in one line); used by `polyrl compare`."""
+    p = argparse.ArgumentParser(prog="polyrl marl train", add_help=False, exit_on_error=False)
+    add_train_args(p)
+    try:
+        args, extra = p.parse_known_args(argv)
+    except argparse.ArgumentError as e:
+        raise ConfigError(str(e)) from None
+    if extra:
+        raise ConfigError(f"unrecognized arguments: {' '.join(extra)}")
+    from polyrl.families.marl.methods import get_marl_method
+
+    _build(_given(args))
+    get_marl_method(args.method or "mappo")
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    """Add ``marl`` with ``train``, ``methods`` and ``report`` (the family seam)."""
+    from polyrl.config import add_config_args
+    from polyrl.families.marl.train import MarlTrainConfig
+
+    marl = subparsers.add_parser("marl", help=MARL_HELP)
+    sub = marl.add_subparsers(dest="marl_command", required=True)
+    p = sub.add_parser("train", help="train a shared formation policy; writes metrics, curves and summary.json")
+    add_train_args(p)
+    p.set_defaults(fn=cmd_marl_train)
+    p = sub.add_parser("methods", help="list the marl presets")
+    p.set_defaults(fn=cmd_marl_methods)
+    p = sub.add_parser("report", help="train mappo and the no-central-critic ablation (ippo) per seed; write "
+                       "report.html with held-out success rates and intervals")
+    p.add_argument("--seeds", type=int, default=3, help="seeds per method (0 .. N-1; default: 3)")
+    p.add_argument("--out", default="runs/marl/report", help="output directory (default: runs/marl/report)")
+    p.add_argument("--methods", default="mappo,ippo", help="presets to compare (default: mappo,ippo)")
+    p.add_argument("--ci", type=float, default=0.9, help="bootstrap confidence level over seeds (default: 0.9)")
+    p.add_argument("--config", metavar="FILE.toml", help="TOML file of the train settings; flags override it")
+    add_config_args(p, MarlTrainConfig)
+    p.set_defaults(fn=cmd_marl_report)
+    return marl
