@@ -6,7 +6,9 @@ brings its policy, sampler, losses, tasks and loop, and reuses the shared seam: 
 (``polyrl.config.add_config_args`` / ``load_toml`` / ``build_config`` on its own config dataclass), the run
 directory's record (``polyrl.runs``), logging (``polyrl.logging.RunLogger``) and the CLI. Its package
 ``__init__`` calls ``register_family`` and imports nothing heavy, so that ``polyrl --help`` stays fast; the
-module named there is imported only when its command runs.
+module named there is imported only when its command runs. ``flag_values``, ``family_config`` and
+``parse_train_flags`` are the settings half of the seam every family's CLI calls (TOML beneath flags, typed and
+validated in one line; flags checked for `polyrl compare --family`).
 """
 
 from __future__ import annotations
@@ -52,3 +54,47 @@ def add_parser(family: Family, subparsers):
 def family_module(name: str):
     """The family's CLI module (``add_parser``; ``check_train_flags`` for `polyrl compare --family`)."""
     return importlib.import_module(FAMILIES[name].module)
+
+
+def flag_values(args, cls) -> dict:
+    """A family's settings as given: its TOML file (``args.config``, when the command has one) beneath the flags that
+    were given (None = not given), by the field names of its config dataclass ``cls``."""
+    from dataclasses import fields
+
+    from polyrl.config import load_toml
+
+    values = load_toml(args.config, cls) if getattr(args, "config", None) else {}
+    values.update({f.name: getattr(args, f.name) for f in fields(cls) if getattr(args, f.name, None) is not None})
+    return values
+
+
+def family_config(values: dict, cls, validate):
+    """``cls`` built from flat ``values`` (typed by ``polyrl.config.build_config``) and checked by ``validate``; a
+    ValueError becomes a one-line ConfigError."""
+    from polyrl.config import ConfigError, build_config
+
+    cfg = build_config(values, cls)
+    try:
+        validate(cfg)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    return cfg
+
+
+def parse_train_flags(argv: list[str], prog: str, add_train_args):
+    """Parse a family's train flags without running them (``check_train_flags`` for `polyrl compare --family`): an
+    unknown or malformed flag is a one-line ConfigError, not argparse's exit."""
+    import argparse
+
+    from polyrl.config import ConfigError
+
+    p = argparse.ArgumentParser(prog=prog, add_help=False, exit_on_error=False)
+    add_train_args(p)
+    try:
+        args, extra = p.parse_known_args(argv)
+    except argparse.ArgumentError as e:
+        raise ConfigError(str(e)) from None
+    if extra:
+        raise ConfigError(f"unrecognized arguments: {' '.join(extra)}")
+    return args
+

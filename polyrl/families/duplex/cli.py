@@ -9,30 +9,23 @@ from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import asdict, fields
+from dataclasses import asdict
 
 from rich.console import Console
 from rich.table import Table
 
 from polyrl.config import ConfigError
+from polyrl.families import family_config, flag_values, parse_train_flags
 from polyrl.families.duplex import HELP as DUPLEX_HELP
 
 console = Console() if sys.stdout.isatty() else Console(width=200)
 
 
 def _train_config(args: argparse.Namespace):
-    from polyrl.config import build_config, load_toml
+    """The run's settings: a TOML file beneath the flags, typed and range-checked (ConfigError in one line)."""
     from polyrl.families.duplex.train import DuplexTrainConfig, validate_config
 
-    values = load_toml(args.config, DuplexTrainConfig) if args.config else {}
-    values.update({f.name: getattr(args, f.name) for f in fields(DuplexTrainConfig)
-                   if getattr(args, f.name, None) is not None})
-    cfg = build_config(values, DuplexTrainConfig)
-    try:
-        validate_config(cfg)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-    return cfg
+    return family_config(flag_values(args, DuplexTrainConfig), DuplexTrainConfig, validate_config)
 
 
 def cmd_duplex_train(args: argparse.Namespace) -> int:
@@ -130,14 +123,7 @@ def add_train_args(p: argparse.ArgumentParser, *, run: bool = True) -> None:
 
 def check_train_flags(argv: list[str]) -> None:
     """Resolve `polyrl duplex train` flags without running: ConfigError/PartError in one line (`polyrl compare`)."""
-    p = argparse.ArgumentParser(prog="polyrl duplex train", add_help=False, exit_on_error=False)
-    add_train_args(p)
-    try:
-        args, extra = p.parse_known_args(argv)
-    except argparse.ArgumentError as e:
-        raise ConfigError(str(e)) from None
-    if extra:
-        raise ConfigError(f"unrecognized arguments: {' '.join(extra)}")
+    args = parse_train_flags(argv, "polyrl duplex train", add_train_args)
     from polyrl.families.duplex.methods import get_duplex_method
 
     _train_config(args)

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import asdict, fields
+from dataclasses import asdict
 
 from rich.console import Console
 from rich.table import Table
 
 from polyrl.config import ConfigError
+from polyrl.families import family_config, flag_values, parse_train_flags
 from polyrl.families.flow import HELP as FLOW_HELP
 
 console = Console() if sys.stdout.isatty() else Console(width=200)
@@ -22,17 +23,9 @@ console = Console() if sys.stdout.isatty() else Console(width=200)
 
 def _train_config(args: argparse.Namespace):
     """The run's settings: a TOML file beneath the flags, typed and range-checked (ConfigError in one line)."""
-    from polyrl.config import build_config, load_toml
     from polyrl.families.flow.train import FlowTrainConfig, validate_config
 
-    values = load_toml(args.config, FlowTrainConfig) if args.config else {}
-    values.update({f.name: getattr(args, f.name) for f in fields(FlowTrainConfig) if getattr(args, f.name) is not None})
-    cfg = build_config(values, FlowTrainConfig)
-    try:
-        validate_config(cfg)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-    return cfg
+    return family_config(flag_values(args, FlowTrainConfig), FlowTrainConfig, validate_config)
 
 
 def cmd_flow_train(args: argparse.Namespace) -> int:
@@ -121,14 +114,7 @@ def check_train_flags(argv: list[str]) -> None:
 
     `polyrl compare --family flow` checks every method's flags with this before the first run starts.
     """
-    p = argparse.ArgumentParser(prog="polyrl flow train", add_help=False, exit_on_error=False)
-    add_train_args(p)
-    try:
-        args, extra = p.parse_known_args(argv)
-    except argparse.ArgumentError as e:
-        raise ConfigError(str(e)) from None
-    if extra:
-        raise ConfigError(f"unrecognized arguments: {' '.join(extra)}")
+    args = parse_train_flags(argv, "polyrl flow train", add_train_args)
     from polyrl.families.flow.methods import get_flow_method
 
     _train_config(args)

@@ -11,13 +11,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import asdict, fields
+from dataclasses import asdict
 from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
 
 from polyrl.config import ConfigError
+from polyrl.families import family_config, flag_values, parse_train_flags
 from polyrl.families.marl import HELP as MARL_HELP
 
 console = Console() if sys.stdout.isatty() else Console(width=200)
@@ -25,24 +26,15 @@ MAY_CHANGE = ("steps", "eval_every", "checkpoint_every", "threads", "tensorboard
 
 
 def _given(args: argparse.Namespace) -> dict:
-    from polyrl.config import load_toml
     from polyrl.families.marl.train import MarlTrainConfig
 
-    values = load_toml(args.config, MarlTrainConfig) if args.config else {}
-    values.update({f.name: getattr(args, f.name) for f in fields(MarlTrainConfig) if getattr(args, f.name) is not None})
-    return values
+    return flag_values(args, MarlTrainConfig)
 
 
 def _build(values: dict):
-    from polyrl.config import build_config
     from polyrl.families.marl.train import MarlTrainConfig, validate_config
 
-    cfg = build_config(values, MarlTrainConfig)
-    try:
-        validate_config(cfg)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-    return cfg
+    return family_config(values, MarlTrainConfig, validate_config)
 
 
 def resume_config(run_dir: Path, given: dict):
@@ -147,14 +139,7 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
 
 def check_train_flags(argv: list[str]) -> None:
     """Resolve `polyrl marl train` flags without running (ConfigError in one line); used by `polyrl compare`."""
-    p = argparse.ArgumentParser(prog="polyrl marl train", add_help=False, exit_on_error=False)
-    add_train_args(p)
-    try:
-        args, extra = p.parse_known_args(argv)
-    except argparse.ArgumentError as e:
-        raise ConfigError(str(e)) from None
-    if extra:
-        raise ConfigError(f"unrecognized arguments: {' '.join(extra)}")
+    args = parse_train_flags(argv, "polyrl marl train", add_train_args)
     from polyrl.families.marl.methods import get_marl_method
 
     _build(_given(args))

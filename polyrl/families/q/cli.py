@@ -14,6 +14,7 @@ from rich.console import Console
 from rich.table import Table
 
 from polyrl.config import ConfigError
+from polyrl.families import parse_train_flags
 from polyrl.families.q import HELP as Q_HELP
 
 console = Console() if sys.stdout.isatty() else Console(width=200)
@@ -139,14 +140,7 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
 
 def check_train_flags(argv: list[str]) -> None:
     """Resolve `polyrl q train` flags without running (ConfigError in one line); used by `polyrl compare --family q`."""
-    p = argparse.ArgumentParser(prog="polyrl q train", add_help=False, exit_on_error=False)
-    add_train_args(p)
-    try:
-        args, extra = p.parse_known_args(argv)
-    except argparse.ArgumentError as e:
-        raise ConfigError(str(e)) from None
-    if extra:
-        raise ConfigError(f"unrecognized arguments: {' '.join(extra)}")
+    args = parse_train_flags(argv, "polyrl q train", add_train_args)
     args.resume = False
     resolve_train(args)
 
