@@ -86,7 +86,8 @@ def test_k3_nonnegative_zero_iff_equal():
     assert (k >= 0).all()
     assert torch.equal(k == 0, logp == ref)
     d = ref - logp
-    assert torch.allclose(k, torch.exp(d) - 1 - d)
+    assert torch.allclose(k, (torch.exp(d) - 1 - d).clamp(max=10.0))  # d = 2.9 gives 14.27: verl's bound 10
+    assert float(k[3]) == 10.0
     assert torch.allclose(KL.fn("k1")(logp, ref, None), -d)
     assert torch.allclose(KL.fn("k2")(logp, ref, None), 0.5 * d**2)
 
@@ -128,3 +129,21 @@ def test_clamp_keeps_values_and_gradients_finite():
     assert math.isclose(float(KL.fn("k1")(logp.detach(), ref, None)[0, 0]), -20.0)
     with pytest.raises(PartError):
         KL.resolve("k3", {"clamp": 0.0})
+
+
+def test_k3_value_clamp_has_verls_bound_and_zero_gradient_beyond():
+    # d = ref - logp: 2.0 gives k3 = e^2 - 3 = 4.389 (inside the bound); 4.0 gives e^4 - 5 = 49.6 (clamped to 10)
+    logp = torch.tensor([[0.0, 0.0, 0.0]], dtype=D, requires_grad=True)
+    ref = torch.tensor([[2.0, 4.0, -30.0]], dtype=D)
+    out = KL.fn("k3")(logp, ref, None)
+    (g,) = torch.autograd.grad(out.sum(), logp)
+    out = out.detach()
+    assert math.isclose(float(out[0, 0]), math.exp(2.0) - 3.0, rel_tol=1e-12)
+    assert float(out[0, 1]) == 10.0 and float(g[0, 1]) == 0.0  # beyond the bound: no pull at all
+    assert math.isclose(float(g[0, 0]), 1.0 - math.exp(2.0), rel_tol=1e-12)  # d k3 / d logp = 1 - e^d inside
+    assert float(out[0, 2]) == 10.0  # d = -30 is clamped to -20 first: k3 = e^-20 + 19 = 19.0, then to 10
+    unclamped = KL.resolve("k3", {"value_clamp": float("inf")})
+    raw = KL.fn("k3")(logp, ref, None, **unclamped.params).detach()
+    assert math.isclose(float(raw[0, 1]), math.exp(4.0) - 5.0, rel_tol=1e-12)
+    plus = KL.fn("k3_plus")(logp, ref, None)
+    assert torch.equal(plus.detach(), out.detach())  # the same clamped value; its gradient is k2's

@@ -1,7 +1,8 @@
 """KL estimators of KL(pi_theta || pi_ref) per sampled token (Schulman, "Approximating KL Divergence").
 
 Signature: ``fn(logp, ref_logp, old_logp, *, clamp) -> kl [B, T]``, with d = clamp(ref_logp - logp,
--clamp, clamp) (verl clamps d to [-20, 20]). Gradient flows through ``logp`` only. Used as a LOSS term
+-clamp, clamp) (verl clamps d to [-20, 20]); k3 and k3_plus also clamp their value to +-value_clamp (10, verl's
+low_var_kl bound) with zero gradient beyond. Gradient flows through ``logp`` only. Used as a LOSS term
 (added per token, to be minimised) or, evaluated at pi_old and detached, as a reward penalty.
 Expected gradients on samples from pi_theta (shared/spec/objectives-llm.md section 22):
 E[grad k1] = 0, E[grad k2] = grad KL(pi || ref), E[grad k3] = grad KL(ref || pi).
@@ -46,10 +47,17 @@ def k2(logp: Tensor, ref_logp: Tensor, old_logp: Tensor | None, *, clamp: float 
     return _k2(_d(logp, ref_logp, clamp))
 
 
-@KL.register("k3", paper="joschu.net/blog/kl-approx.html", ranges={"clamp": ">0"})
-def k3(logp: Tensor, ref_logp: Tensor, old_logp: Tensor | None, *, clamp: float = 20.0) -> Tensor:
-    """k3 = exp(d) - 1 - d ("low_var_kl", GRPO): unbiased value, >= 0; gradient of KL(ref || pi)."""
-    return _k3(_d(logp, ref_logp, clamp))
+@KL.register("k3", paper="joschu.net/blog/kl-approx.html", ranges={"clamp": ">0", "value_clamp": ">0"})
+def k3(logp: Tensor, ref_logp: Tensor, old_logp: Tensor | None, *, clamp: float = 20.0,
+       value_clamp: float = 10.0) -> Tensor:
+    """k3 = exp(d) - 1 - d ("low_var_kl", GRPO): unbiased value, >= 0; gradient of KL(ref || pi).
+
+    The value is clamped to [-value_clamp, value_clamp] with zero gradient beyond, as verl's low_var_kl does
+    (bound 10): a token far off the reference (d = 20 gives k3 = e^20) then stops pulling instead of dominating
+    the update with a gradient of up to e^20. Convention: value_clamp = 10 (verl's); pass value_clamp=inf for the
+    unclamped estimator (d itself is still clamped to [-clamp, clamp]).
+    """
+    return _k3(_d(logp, ref_logp, clamp)).clamp(-value_clamp, value_clamp)
 
 
 @KL.register("k1_plus", paper="joschu.net/blog/kl-approx.html", ranges={"clamp": ">0"})
@@ -59,11 +67,13 @@ def k1_plus(logp: Tensor, ref_logp: Tensor, old_logp: Tensor | None, *, clamp: f
     return _straight_through(-d, d)
 
 
-@KL.register("k3_plus", paper="joschu.net/blog/kl-approx.html", ranges={"clamp": ">0"})
-def k3_plus(logp: Tensor, ref_logp: Tensor, old_logp: Tensor | None, *, clamp: float = 20.0) -> Tensor:
-    """Straight-through k3 (verl "k3+"): value of k3, gradient of k2 (unbiased reverse-KL gradient)."""
+@KL.register("k3_plus", paper="joschu.net/blog/kl-approx.html", ranges={"clamp": ">0", "value_clamp": ">0"})
+def k3_plus(logp: Tensor, ref_logp: Tensor, old_logp: Tensor | None, *, clamp: float = 20.0,
+            value_clamp: float = 10.0) -> Tensor:
+    """Straight-through k3 (verl "k3+"): value of k3 (clamped to +-value_clamp, as verl's low_var_kl), gradient of
+    k2 (unbiased reverse-KL gradient)."""
     d = _d(logp, ref_logp, clamp)
-    return _straight_through(_k3(d), d)
+    return _straight_through(_k3(d).clamp(-value_clamp, value_clamp), d)
 
 
 @KL.register("k3_unbiased", paper="arXiv:2512.02556", ranges={"clamp": ">0"})
