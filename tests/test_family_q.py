@@ -11,7 +11,6 @@ import pytest
 
 from polyrl.config import ConfigError
 from polyrl.families.q.core import (
-    FeatureMap,
     LinearMDP,
     LinearQLearner,
     lambda_linear_part,
@@ -97,7 +96,7 @@ def test_searched_mdp_every_step_diverges_and_lambda_0999_converges():
     assert cx.rho(0.0) > 1 > cx.rho(0.999)
 
 
-class _MDPFeatures(FeatureMap):
+class _MDPFeatures:
     def __init__(self, mdp: LinearMDP):
         self.mdp, self.dim, self.n_actions = mdp, mdp.phi.shape[-1], mdp.phi.shape[1]
 

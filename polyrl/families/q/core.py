@@ -29,6 +29,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
@@ -166,14 +167,13 @@ class LinearMDP:
         return Phi.T @ (self.mu.reshape(-1, 1) * (P @ self.greedy_next_features(theta)))
 
 
-class FeatureMap:
-    """A feature map: ``fm(state) -> [n_actions, dim]`` (subclasses set ``dim`` and ``n_actions``)."""
+class FeatureMap(Protocol):
+    """A feature map: ``fm(state) -> [n_actions, dim]``, with its ``dim`` and ``n_actions``."""
 
     dim: int
     n_actions: int
 
-    def __call__(self, state) -> np.ndarray:  # pragma: no cover - interface
-        raise NotImplementedError
+    def __call__(self, state) -> np.ndarray: ...
 
 
 class LinearQLearner:

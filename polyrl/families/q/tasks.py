@@ -84,7 +84,7 @@ class Gridworld:
         return float(v[self.start])
 
 
-class OneHotFeatures(FeatureMap):
+class OneHotFeatures:
     """Tabular features: phi(s, a) = e_{(a, s)}."""
 
     def __init__(self, env: Gridworld):
@@ -99,7 +99,7 @@ class OneHotFeatures(FeatureMap):
         return self._table[state]
 
 
-class TileFeatures(FeatureMap):
+class TileFeatures:
     """Two tilings of width-2 tiles (offsets 0 and 1 cell), one block per action; each active tile is 1/2."""
 
     def __init__(self, env: Gridworld, width: int = 2):
