@@ -27,7 +27,7 @@ from typing import Any
 
 from polyrl.tasks import sandbox
 from polyrl.tasks.base import Prompt, Split
-from polyrl.tasks.math import DataFileError, _json_rows, data_file_path, draw_split
+from polyrl.tasks.math import DataFileError, _json_rows, check_splits, data_file_path, draw_split
 
 COLUMNS_HELP = "prompt and tests (a string of Python asserts or a list of them) columns, and an optional entry_point"
 _FENCE = re.compile(r"```[ \t]*(?:python|py|python3)?[ \t]*\n(.*?)(?:```|\Z)", re.DOTALL | re.IGNORECASE)
@@ -105,13 +105,7 @@ class CodeTask:
             split = "test" if int(pid[:8], 16) % 100 < heldout_percent else "train"
             self._pools[split].append(Prompt(id=f"code/{pid[:16]}", text=text,
                                              answer=json.dumps({"tests": tests, "entry_point": entry})))
-        train, held = len(self._pools["train"]), len(self._pools["test"])
-        if not train or (heldout_percent and not held):
-            fix = (f"add rows (about {-(-100 // heldout_percent)} per held-out row) or raise --heldout-percent"
-                   if not held else "add rows or lower --heldout-percent")
-            raise DataFileError(f"{label} has {len(rows)} row{'s' * (len(rows) != 1)}: {train} fall in the "
-                                f"training split and {held} in the held-out split (heldout_percent = "
-                                f"{heldout_percent}, chosen by a hash of the prompt): {fix}")
+        check_splits(self._pools, len(rows), heldout_percent, label=label, key="prompt")
 
     def _tests(self, row: dict, where: str) -> list[str]:
         """The row's tests as a list of sources, each of which parses; a DataFileError names what is wrong."""

@@ -61,6 +61,17 @@ def draw_split(pool: list[Prompt], n: int, seed: int, *, label: str, heldout_per
         out.extend(rng.sample(pool, min(len(pool), n - len(out))))
     return out
 
+def check_splits(pools: dict[str, list[Prompt]], rows: int, heldout_percent: int, *, label: str, key: str) -> None:
+    """Refuse, in one line, a data file whose hash split leaves the training split (or a wanted held-out one) empty."""
+    train, held = len(pools["train"]), len(pools["test"])
+    if not train or (heldout_percent and not held):
+        fix = (f"add rows (about {-(-100 // heldout_percent)} per held-out row) or raise --heldout-percent"
+               if not held else "add rows or lower --heldout-percent")
+        raise DataFileError(f"{label} has {rows} row{'s' * (rows != 1)}: {train} fall in the training split and "
+                            f"{held} in the held-out split (heldout_percent = {heldout_percent}, chosen by a hash of "
+                            f"the {key}): {fix}")
+
+
 class DataFileError(ValueError):
     """A data file that cannot be used, with a one-line message starting ``data_file 'PATH'``."""
 
@@ -189,13 +200,7 @@ class MathTask:
             split = "test" if int(pid[:8], 16) % 100 < heldout_percent else "train"
             self._pools[split].append(Prompt(id=f"math/{pid[:16]}", text=text, answer=str(row[keys["answer"]]),
                                              messages=messages))
-        train, held = len(self._pools["train"]), len(self._pools["test"])
-        if not train or (heldout_percent and not held):
-            fix = (f"add rows (about {-(-100 // heldout_percent)} per held-out row) or raise --heldout-percent"
-                   if not held else "add rows or lower --heldout-percent")
-            raise DataFileError(f"{label} has {len(rows)} row{'s' * (len(rows) != 1)}: {train} fall in the "
-                                f"training split and {held} in the held-out split (heldout_percent = "
-                                f"{heldout_percent}, chosen by a hash of the question): {fix}")
+        check_splits(self._pools, len(rows), heldout_percent, label=label, key="question")
 
     def prompts(self, split: Split, n: int, seed: int) -> list[Prompt]:
         """``n`` prompts of ``split``, shuffled by ``seed``, cycling through the split when n exceeds it."""

@@ -53,7 +53,14 @@ def steer(model: nn.Module, layer: int, direction: torch.Tensor, alpha: float) -
         new = h + alpha * vec.to(device=h.device, dtype=h.dtype)
         return (new, *output[1:]) if isinstance(output, tuple) else new
 
-    handle = layers[layer].register_forward_hook(hook)
+    with _hooked(layers[layer], hook):
+        yield
+
+
+@contextmanager
+def _hooked(module: nn.Module, hook) -> Iterator[None]:
+    """``hook`` registered as a forward hook of ``module`` for the duration, removed on exit (exceptions too)."""
+    handle = module.register_forward_hook(hook)
     try:
         yield
     finally:
@@ -89,11 +96,8 @@ def amplify(model: nn.Module, layer: int, direction: torch.Tensor, factor: float
             new[:, position] = new[:, position] + delta[:, 0]
         return (new, *output[1:]) if isinstance(output, tuple) else new
 
-    handle = layers[layer].register_forward_hook(hook)
-    try:
+    with _hooked(layers[layer], hook):
         yield
-    finally:
-        handle.remove()
 
 
 @torch.no_grad()
