@@ -321,11 +321,12 @@ def build_components(cfg: TrainConfig, method, task, model_dir: str) -> Componen
         arbiter = generator.arbiter = AgencyArbiter(baseline, parse_schedule(cfg.agency.schedule),
                                                     mode=cfg.agency.mode)
     runner = EpisodeRunner(generator, tokenizer, task, own_weights=ranks is not None or cfg.engine.backend == "vllm")
-    evaluate = Evaluator(runner, task, task.prompts("test", cfg.eval_prompts, seed=0), cfg.max_new_tokens, arbiter)
+    evaluate = Evaluator(runner, task, task.prompts("test", cfg.eval.prompts, seed=0), cfg.max_new_tokens, arbiter)
 
     def sampling(step: int) -> SamplingParams:
-        return SamplingParams(n=cfg.group_size, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
-                              top_p=cfg.top_p, top_k=cfg.top_k or None, seed=cfg.seed * 1_000_003 + step)
+        sample = cfg.sampling
+        return SamplingParams(n=cfg.group_size, max_new_tokens=cfg.max_new_tokens, temperature=sample.temperature,
+                              top_p=sample.top_p, top_k=sample.top_k or None, seed=cfg.seed * 1_000_003 + step)
 
     if cfg.drift.prompts:  # before any update or checkpoint load: the probe set is the starting policy's
         from polyrl.drift import DRIFT_SEED, DriftMeter
@@ -367,7 +368,8 @@ def _learner(cfg: TrainConfig, method, policy, reference, critic, adapters, *, s
     lora = dict(adapters=adapters) if adapters is not None else {}  # validate refuses LoRA with several processes
     return (FSDPLearner if sharded else LocalLearner)(
         policy, **lora, lr=cfg.lr, weight_decay=cfg.weight_decay, warmup_steps=cfg.warmup_steps,
-        max_grad_norm=cfg.max_grad_norm, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+        max_grad_norm=cfg.max_grad_norm, temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p,
+        top_k=cfg.sampling.top_k,
         fp32_head=cfg.fp32_lm_head, micro_batch_size=cfg.micro_batch_size, reference=reference,
         ref_sync_every=method.ref_sync_every, critic=critic, critic_lr=cfg.critic.lr,
         value_clip=cfg.critic.value_clip)

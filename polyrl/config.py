@@ -3,9 +3,9 @@
 ``TrainConfig`` holds the core settings and nests each feature's own dataclass: ``tree``
 (``rollout/tree/config.py``), ``agency`` (``rollout/agency/config.py``), ``prefetch``
 (``rollout/source.py``), ``scale`` (Ray rollout workers and training processes, ``launch.py``),
-``critic`` and ``lora`` (``learner/config.py``), ``engine`` (``rollout/engine_config.py``), ``guard``
+``critic`` and ``lora`` (``learner/config.py``), ``engine`` and ``sampling`` (``rollout/engine_config.py``), ``guard``
 (``guard.py``), ``drift`` (``drift.py``), ``data`` (the data file and the prompt format,
-``tasks/config.py``) and ``log`` (``logconfig.py``). Users name every setting flat:
+``tasks/config.py``), ``eval`` and ``log`` (``logconfig.py``). Users name every setting flat:
 ``--tree-roots`` / ``tree_roots`` is ``cfg.tree.roots``, and a feature's own switch keeps its name
 (``--agency DIR``, ``--guard``). ``settings`` lists them; ``add_config_args`` turns them into flags
 (help text = the field's docstring), ``load_toml`` reads a file of flat keys or feature tables
@@ -34,9 +34,9 @@ from polyrl.drift import DriftConfig
 from polyrl.guard import GuardConfig
 from polyrl.launch import ScaleConfig
 from polyrl.learner.config import CriticConfig, LoraConfig
-from polyrl.logconfig import LogConfig
+from polyrl.logconfig import EvalConfig, LogConfig
 from polyrl.rollout.agency.config import AgencyConfig
-from polyrl.rollout.engine_config import EngineConfig
+from polyrl.rollout.engine_config import EngineConfig, SamplingConfig
 from polyrl.rollout.source import PrefetchConfig
 from polyrl.rollout.tree.config import TreeConfig
 from polyrl.tasks.config import DataConfig
@@ -72,12 +72,8 @@ class TrainConfig:
     """completions per prompt (G)"""
     max_new_tokens: int = 8
     """generation cap per completion (L_max)"""
-    temperature: float = 1.0
-    """sampling temperature, applied identically when log-probs are recomputed"""
-    top_p: float = 1.0
-    """nucleus sampling threshold in (0, 1]"""
-    top_k: int = 0
-    """top-k sampling (0 = off)"""
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    """how completions are sampled: --temperature, --top-p, --top-k, TOML table [sampling]"""
     lr: float = 1e-4
     """AdamW learning rate"""
     warmup_steps: int = 5
@@ -112,10 +108,8 @@ class TrainConfig:
     """LoRA adapters through PEFT: flags --lora-*, TOML table [lora]"""
     engine: EngineConfig = field(default_factory=EngineConfig)
     """the generation engine: flags --generator, --vllm-*, TOML table [vllm]"""
-    eval_every: int = 25
-    """held-out greedy evaluation every N steps (0 = only before and after)"""
-    eval_prompts: int = 200
-    """held-out prompts per evaluation"""
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    """held-out evaluation: --eval-every, --eval-prompts, TOML table [eval]"""
     checkpoint_every: int = 50
     """save an atomic checkpoint every N steps (0 = only at the end)"""
     resume: bool = False

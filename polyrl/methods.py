@@ -295,3 +295,17 @@ def st_ppo() -> Method:
     """ST-PPO: turn-level ratios plus clipping-bias correction (arXiv:2511.20718) [assumed form]."""
     return build_method("st_ppo", paper="https://arxiv.org/abs/2511.20718", advantage="gae", ratio="turn",
               trust_region="s_ppo", aggregation="token_mean")
+
+
+# --- the peers' presets (polyrl/presets/: verl, TRL and prime-rl names) ----------------------------------
+def _register_peer_presets() -> None:
+    import importlib
+
+    from polyrl import presets
+
+    for module in presets.MODULES:
+        for fn in importlib.import_module(f"polyrl.presets.{module}").PRESETS:
+            preset(fn)
+
+
+_register_peer_presets()

@@ -138,7 +138,7 @@ def _train(cfg: TrainConfig, method: Method, parts: Components, *, task: Task, m
                 metrics["perf/step_seconds"] = time.perf_counter() - t0
                 step_seconds += metrics["perf/step_seconds"]
                 metrics["perf/lr"] = parts.learner.lr
-                if cfg.eval_every and state.step % cfg.eval_every == 0 and state.step < cfg.steps:
+                if cfg.eval.every and state.step % cfg.eval.every == 0 and state.step < cfg.steps:
                     metrics.update(parts.evaluate(state.step, state.solved_before)[0])
                 logger.log(state.step, metrics)
                 reason = monitor.update(state.step, metrics) if monitor is not None else None

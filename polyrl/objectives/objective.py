@@ -73,7 +73,10 @@ class Method:
 
     @property
     def needs_ref(self) -> bool:
-        return self.kl is not None and self.kl_coef > 0 or self.ref_sync_every > 0
+        """True when a reference model is scored: a KL term, Humanline syncing, or a trust region tagged
+        ``needs_ref`` (the preference losses: DPO, KTO and their variants read pi_ref)."""
+        return (self.kl is not None and self.kl_coef > 0 or self.ref_sync_every > 0
+                or "needs_ref" in TRUST_REGIONS.spec(self.trust_region.name).tags)
 
     def parts(self) -> dict[str, Any]:
         """Plain description of every part (for `polyrl explain`, docs and JSON)."""

@@ -1,0 +1,5 @@
+"""Presets (filled in by issue 21)."""
+
+from __future__ import annotations
+
+PRESETS: tuple = ()
