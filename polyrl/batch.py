@@ -30,10 +30,12 @@ class TokenBatch:
     rollout_logp: Tensor  # [B, T] log-probs reported by the sampler (0 at padding and environment tokens)
     loss_mask: Tensor  # [B, T] 1 for tokens the policy chose; environment and copied-prefix tokens are 0
     turn_ids: Tensor  # [B, T] long: agent-turn index of each completion token (0 for single-turn tasks)
+    sum_pi_sq: Tensor | None = None  # [B, T] sampler's sum_v pi_v^2 per token, when every sample carries it (OTB)
 
     def rows(self, index: Tensor | slice) -> TokenBatch:
         return TokenBatch(self.input_ids[index], self.attention_mask[index], self.completion_mask[index],
-                          self.rollout_logp[index], self.loss_mask[index], self.turn_ids[index])
+                          self.rollout_logp[index], self.loss_mask[index], self.turn_ids[index],
+                          None if self.sum_pi_sq is None else self.sum_pi_sq[index])
 
     @staticmethod
     def from_samples(samples: list[Sample], pad_id: int) -> TokenBatch:
@@ -46,6 +48,7 @@ class TokenBatch:
         logp = torch.zeros((B, T), dtype=torch.float32)
         loss_mask = torch.zeros((B, T), dtype=torch.float32)
         turns = torch.zeros((B, T), dtype=torch.long)
+        sq = torch.zeros((B, T), dtype=torch.float32) if all(s.sum_pi_sq is not None for s in samples) else None
         for i, s in enumerate(samples):
             p, c = len(s.prompt_token_ids), len(s.completion_token_ids)
             ids[i, P - p:P] = torch.tensor(s.prompt_token_ids)
@@ -57,7 +60,9 @@ class TokenBatch:
                 loss_mask[i, :c] = 1.0 if s.loss_mask is None else torch.tensor(s.loss_mask, dtype=torch.float32)
                 if s.turn_ids is not None:
                     turns[i, :c] = torch.tensor(s.turn_ids)
-        return TokenBatch(ids, attn, comp, logp, loss_mask, turns)
+                if sq is not None:
+                    sq[i, :c] = torch.tensor(s.sum_pi_sq, dtype=torch.float32)
+        return TokenBatch(ids, attn, comp, logp, loss_mask, turns, sq)
 
 
 SEGMENT_END = ".,;:!?\n"

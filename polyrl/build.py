@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 import shutil
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,6 +32,13 @@ def add_method_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kl", help="KL estimator (k1, k2, k3, k3_plus, ...; 'none' removes the KL term)")
     g.add_argument("--kl-coef", type=float, help="KL coefficient beta (>= 0)")
     g.add_argument("--kl-placement", choices=["loss", "reward"], help="KL in the loss or in the reward")
+    g.add_argument("--kl-target", type=float, help="adaptive KL: move beta toward this KL (Ziegler et al.; 0 = fixed)")
+    g.add_argument("--kl-horizon", type=int, help="adaptive KL controller's horizon in sequences (default 10000)")
+    g.add_argument("--entropy-coef", type=float, help="entropy bonus: loss -= coef * entropy (the adaptive start)")
+    g.add_argument("--entropy-target", type=float, help="adaptive entropy coefficient toward this entropy (0 = fixed)")
+    g.add_argument("--entropy-delta", type=float, help="adaptive entropy coefficient's step per RL step (0.005)")
+    g.add_argument("--entropy-coef-max", type=float, help="adaptive entropy coefficient's ceiling")
+    g.add_argument("--entropy-top", type=float, help="train only on this top fraction of tokens by entropy (0 = all)")
     g.add_argument("--anchor", choices=["old", "rollout"], help="ratio denominator: pi_old or the rollout policy")
 
 
@@ -42,7 +49,9 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     add_method_args(p)
 
 
-SINGLE_OVERRIDES = ("advantage", "ratio", "trust_region", "aggregation", "kl", "kl_coef", "kl_placement", "anchor")
+SINGLE_OVERRIDES = ("advantage", "ratio", "trust_region", "aggregation", "kl", "kl_coef", "kl_placement", "anchor",
+                    "kl_target", "kl_horizon", "entropy_coef", "entropy_target", "entropy_delta", "entropy_coef_max",
+                    "entropy_top")
 LIST_OVERRIDES = {"correction": "corrections", "shaper": "shapers", "filter": "filters"}  # flag dest -> Method field
 METHOD_OVERRIDES = (*SINGLE_OVERRIDES, *LIST_OVERRIDES)  # every dest of add_method_args
 
@@ -58,6 +67,8 @@ def part_changes(overrides: Mapping[str, Any]) -> dict[str, Any]:
             changes[plural] = [v for v in overrides[key] if v != "none"]
     if changes.get("kl") == "none":
         changes["kl"], changes["kl_coef"] = None, 0.0
+        changes.setdefault("kl_target", 0.0)  # the adaptive controller goes with the term (unless given: refused)
+        changes.setdefault("kl_horizon", 10_000)
     return changes
 
 
@@ -201,9 +212,35 @@ def check_combinations(cfg: TrainConfig, method, task) -> None:
         raise ConfigError(f"sampler = 'tree' is not allowed with advantage {adv!r} and reward_funcs: tree groups "
                           "are compared on the summed reward, so its per-channel normalisation would be lost; use "
                           "--sampler uniform")
+    if "needs_greedy" in ADVANTAGES.spec(adv).tags:  # ReMax: the uniform sampler decodes each prompt greedily too
+        given = [(f"sampler = {cfg.sampler!r}", "'uniform'") if cfg.sampler != "uniform" else None,
+                 (f"agency = {cfg.agency.baseline!r}", "none") if cfg.agency.baseline is not None else None,
+                 (f"async_staleness = {cfg.prefetch.staleness}", "0") if cfg.prefetch.staleness else None,
+                 (f"preference_file = {cfg.preference.file!r}", "none") if cfg.preference.file is not None else None]
+        bad = next((g for g in given if g is not None), None)
+        if bad is not None:
+            raise ConfigError(f"{bad[0]} is not allowed with advantage {adv!r}: its baseline is the reward of a "
+                              f"greedy decode at the rollout weights, which only the synchronous uniform sampler "
+                              f"adds (allowed: {bad[1]})")
+    if "needs_sum_pi_sq" in ADVANTAGES.spec(adv).tags:  # OTB: the in-process hf sampler records sum_v pi_v^2
+        given = [(f"generator = {cfg.engine.backend!r}", "'hf'") if cfg.engine.backend == "vllm" else None,
+                 (f"sampler = {cfg.sampler!r}", "'uniform'") if cfg.sampler != "uniform" else None,
+                 (f"agency = {cfg.agency.baseline!r}", "none") if cfg.agency.baseline is not None else None,
+                 (f"rollout_workers = {cfg.scale.rollout_workers}, async_staleness = {cfg.prefetch.staleness}",
+                  "0 and 0") if cfg.scale.actors(cfg.prefetch.staleness) else None,
+                 (f"preference_file = {cfg.preference.file!r}", "none") if cfg.preference.file is not None else None]
+        bad = next((g for g in given if g is not None), None)
+        if bad is not None:
+            raise ConfigError(f"{bad[0]} is not allowed with advantage {adv!r}: it needs the sum of squared token "
+                              f"probabilities that only the in-process hf uniform sampler records (allowed: {bad[1]})")
+    if "k_below_group" in ADVANTAGES.spec(adv).tags and method.advantage.params["k"] >= cfg.group_size:
+        raise ConfigError(f"group_size = {cfg.group_size} is not allowed with advantage {adv!r} (k = "
+                          f"{method.advantage.params['k']}): pass@k needs k < group_size, else every k-subset is "
+                          "the whole group and every advantage is 0")
     if not method.needs_values and cfg.critic != default.critic:  # name the critic setting that was given
         given, defaults = flat(cfg), flat(default)
-        name = next(n for n in ("critic_lr", "value_clip") if getattr(given, n) != getattr(defaults, n))
+        name = next(n for n in ("critic_lr", "value_clip", "value_loss_agg")
+                    if getattr(given, n) != getattr(defaults, n))
         raise ConfigError(f"{name} = {getattr(given, name)!r} has no effect with method {method.name!r}: its "
                           f"advantage {adv!r} uses no critic (a critic preset such as ppo does)")
     if cfg.max_gen_rounds != default.max_gen_rounds and (cfg.sampler == "tree" or not method.filters):
@@ -211,10 +248,25 @@ def check_combinations(cfg: TrainConfig, method, task) -> None:
             f"method {method.name!r} has no group filter that could drop a group"
         raise ConfigError(f"max_gen_rounds = {cfg.max_gen_rounds} has no effect: {why} (it bounds the refill "
                           "rounds of dynamic sampling)")
+    from polyrl.registry import TRUST_REGIONS
+    from polyrl.rollout.preference_data import preference_problem
+
+    problem = preference_problem(method, vars(flat(cfg)), vars(flat(default)),
+                                 whole_groups="whole_groups" in TRUST_REGIONS.spec(method.trust_region.name).tags)
+    if problem is not None:  # pairs inside one micro-batch; settings the offline preference source makes moot
+        raise ConfigError(problem)
     if cfg.lora.rank and method.ref_sync_every:
         raise ConfigError(f"lora_rank = {cfg.lora.rank} is not allowed with method {method.name!r}: its reference "
                           f"follows the policy (every {method.ref_sync_every} steps), but a LoRA reference is the "
                           "base with the adapters off")
+    from polyrl.distill import teacher_problem
+
+    problem = teacher_problem(cfg.distill.teacher, method)
+    if problem is not None:
+        raise ConfigError(problem)
+    if cfg.sampler == "tree" and "per_token_rewards" in ADVANTAGES.spec(adv).tags:
+        raise ConfigError(f"sampler = 'tree' is not allowed with advantage {adv!r}: tree groups compare summed "
+                          "sequence rewards, so its per-token (teacher) rewards would be lost; use --sampler uniform")
     custom = bool(cfg.reward_funcs) and parse_reward_specs(cfg.reward_funcs, None)[0] != ["task"]
     if cfg.sampler == "tree" and cfg.tree.predictor == "likelihood" and (custom or not getattr(task, "exact_answer",
                                                                                              False)):
@@ -263,6 +315,10 @@ class Components:
     topk: int  # top-K support size when the trust region reads it, else 0
     writes: bool = True  # this process writes the run directory (rank 0 of several)
     task: Any = None  # the task as the model sees it: prompts put by the chat format (tasks.chat.formatted_task)
+    # Per-step metrics of the reference against the sampling policy: (student_logp, ref_logp, mask) -> metrics
+    # (distill/reverse_kl with a teacher; none otherwise).
+    reference_metrics: Callable[..., dict[str, float]] = lambda *_: {}
+    run_info: dict[str, Any] = field(default_factory=dict)  # recorded in summary.json (the teacher)
 
 
 def build_components(cfg: TrainConfig, method, task, model_dir: str) -> Components:
@@ -296,10 +352,12 @@ def build_components(cfg: TrainConfig, method, task, model_dir: str) -> Componen
                                              model=f"model {model_dir!r}"))
     critic = ValueHead(copy.deepcopy(policy)) if method.needs_values else None
     adapters = _adapters(cfg, policy)
-    # The reference is a frozen copy of the starting model (synced to the policy by Humanline presets); with LoRA,
-    # the policy itself with its adapters off.
-    reference = None if not method.needs_ref else BaseReference(adapters) if adapters is not None else \
-        copy.deepcopy(policy).eval().requires_grad_(False)
+    # The reference is the distillation teacher when one is given (LoRA too); else a frozen copy of the starting
+    # model (synced to the policy by Humanline presets); with LoRA, the policy itself with its adapters off.
+    reference = _teacher(cfg, tokenizer)
+    if reference is None and method.needs_ref:
+        reference = BaseReference(adapters) if adapters is not None else \
+            copy.deepcopy(policy).eval().requires_grad_(False)
     # In one process the sampler shares the policy module, so its weights are always current; a sharded learner
     # leaves rank 0 a full copy of its own, refreshed after every update (EpisodeRunner own_weights).
     sampler_model = policy if ranks is None else copy.deepcopy(policy).to(device())
@@ -312,7 +370,7 @@ def build_components(cfg: TrainConfig, method, task, model_dir: str) -> Componen
     else:
         generator = HFGenerator(sampler_model, tokenizer, fp32_head=cfg.fp32_lm_head)
     parts = dict(learner=learner, pad_id=generator.pad_id, boundaries=boundary_token_ids(tokenizer),
-                 topk=TOPK if method.needs_topk else 0, task=task)
+                 topk=TOPK if method.needs_topk else 0, task=task, **_distill_parts(cfg))
     if ranks is not None and ranks[0] != 0:
         return Components(source=RankSource(None), evaluate=RankEvaluator(None), writes=False, **parts)
     arbiter = None
@@ -336,7 +394,15 @@ def build_components(cfg: TrainConfig, method, task, model_dir: str) -> Componen
                               generator.pad_id)
 
     sampler = _rollout_runner(cfg, method, learner, runner, arbiter, model_dir)  # the evaluator keeps `runner`
-    if cfg.sampler == "tree":
+    if cfg.preference.file is not None:  # offline preference rows: no generation
+        from polyrl.rollout.preference import PreferenceSource
+        from polyrl.rollout.preference_data import read_pairs
+
+        put = PromptFormat(tokenizer, cfg.data.chat_template, cfg.data.system_prompt, model=f"model {model_dir!r}")
+        source = PreferenceSource(read_pairs(cfg.preference.file), tokenizer, put.apply,
+                                  pairs_per_step=cfg.prompts_per_step, seed=cfg.seed,
+                                  max_new_tokens=cfg.max_new_tokens)
+    elif cfg.sampler == "tree":
         source = _tree_source(cfg, learner, generator, sampler, rewards, sampling, tokenizer)
     else:
         source = _group_source(cfg, sampler, rewards, sampling)
@@ -345,6 +411,28 @@ def build_components(cfg: TrainConfig, method, task, model_dir: str) -> Componen
     if ranks is not None:
         source, evaluate = RankSource(source), RankEvaluator(evaluate)
     return Components(source=source, evaluate=evaluate, **parts)
+
+
+def _teacher(cfg: TrainConfig, tokenizer):
+    """The distillation teacher as a frozen reference (``--teacher``), or None; refused unless it shares the
+    student's vocabulary."""
+    if cfg.distill.teacher is None:
+        return None
+    from polyrl.distill import check_vocab, load_teacher
+
+    problem = check_vocab(tokenizer, cfg.distill.teacher)
+    if problem is not None:
+        raise ConfigError(problem)
+    return load_teacher(cfg.distill.teacher, dtype=cfg.dtype, threads=_trainer_threads(cfg))
+
+
+def _distill_parts(cfg: TrainConfig) -> dict[str, Any]:
+    """With a teacher: its per-step reverse KL (distill/reverse_kl) and its directory in summary.json."""
+    if cfg.distill.teacher is None:
+        return {}
+    from polyrl.distill import reverse_kl_metrics
+
+    return dict(reference_metrics=reverse_kl_metrics, run_info={"teacher": cfg.distill.teacher})
 
 
 def _adapters(cfg: TrainConfig, policy):
@@ -372,7 +460,7 @@ def _learner(cfg: TrainConfig, method, policy, reference, critic, adapters, *, s
         top_k=cfg.sampling.top_k,
         fp32_head=cfg.fp32_lm_head, micro_batch_size=cfg.micro_batch_size, reference=reference,
         ref_sync_every=method.ref_sync_every, critic=critic, critic_lr=cfg.critic.lr,
-        value_clip=cfg.critic.value_clip)
+        value_clip=cfg.critic.value_clip, value_loss_agg=cfg.critic.value_loss_agg)
 
 
 def _group_source(cfg: TrainConfig, runner, rewards, sampling):
@@ -400,6 +488,7 @@ def _rollout_runner(cfg: TrainConfig, method, learner, local, arbiter, model_dir
     spec = WorkerSpec(model_dir, local.task, dtype=cfg.dtype, fp32_head=cfg.fp32_lm_head,
                       threads=_generator_threads(cfg), baseline_dir=cfg.agency.baseline, agency_mode=cfg.agency.mode,
                       reference=method.needs_ref and not method.ref_sync_every,
+                      reference_dir=cfg.distill.teacher,
                       logprob_kwargs=dict(micro_batch_size=cfg.micro_batch_size, **learner.sampling))
     pool = WorkerPool(spec, workers=actors, address=cfg.scale.ray_address, cpus=cfg.scale.ray_cpus,
                       gpus_per_worker=cfg.scale.rollout_worker_gpus,

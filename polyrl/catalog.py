@@ -40,7 +40,24 @@ def method_dict(method: Method) -> dict[str, Any]:
                                                 "placement": method.kl_placement}
     out["anchor"] = method.anchor
     out["ref_sync_every"] = method.ref_sync_every
+    out.update(regulariser_settings(method))
     out["needs_values"] = method.needs_values
+    return out
+
+
+REGULARISERS = ("kl_target", "kl_horizon", "entropy_coef", "entropy_target", "entropy_delta", "entropy_coef_max",
+                "entropy_top")  # Method settings beside the parts (polyrl/objectives/regularisers.py, controller.py)
+
+
+def regulariser_settings(method: Method) -> dict[str, float]:
+    """The method's regulariser settings that are on (an adaptive coefficient, the entropy bonus, the 80/20 mask)."""
+    out = {"kl_target": method.kl_target, "entropy_coef": method.entropy_coef,
+           "entropy_target": method.entropy_target, "entropy_top": method.entropy_top}
+    out = {k: v for k, v in out.items() if v}
+    if method.kl_target:
+        out["kl_horizon"] = method.kl_horizon
+    if method.entropy_target:
+        out.update(entropy_delta=method.entropy_delta, entropy_coef_max=method.entropy_coef_max)
     return out
 
 
@@ -64,6 +81,7 @@ def method_row(method: Method) -> dict[str, str]:
         extras.append(f"anchor={method.anchor}")
     if method.ref_sync_every:
         extras.append(f"ref_sync_every={method.ref_sync_every}")
+    extras += [f"{k}={v:g}" for k, v in regulariser_settings(method).items()]
     return {
         "method": method.name,
         "advantage": _params_text(method.advantage),
@@ -156,7 +174,20 @@ def explain_lines(method: Method) -> list[tuple[str, str, str, str]]:
     out.append(("anchor", method.anchor, "", "ratio denominator: pi_old (recomputed) or mu (rollout engine)"))
     if method.ref_sync_every:
         out.append(("ref_sync_every", str(method.ref_sync_every), "", "copy the policy into the reference"))
+    for key, value in regulariser_settings(method).items():
+        out.append((key, f"{value:g}", "", _REGULARISER_DOCS[key]))
     return out
+
+
+_REGULARISER_DOCS = {
+    "kl_target": "adaptive KL coefficient toward this KL (Ziegler et al., arXiv:1909.08593)",
+    "kl_horizon": "the adaptive KL controller's horizon (sequences)",
+    "entropy_coef": "entropy bonus: loss -= coef x entropy per token (the start coefficient when adaptive)",
+    "entropy_target": "adaptive entropy coefficient toward this entropy (Skywork-OR1, arXiv:2505.22312)",
+    "entropy_delta": "the adaptive entropy coefficient's step per RL step",
+    "entropy_coef_max": "the adaptive entropy coefficient's ceiling",
+    "entropy_top": "train only on this top fraction of loss tokens by entropy (80/20 rule, arXiv:2506.01939)",
+}
 
 
 __all__ = ["render_methods_markdown", "method_dict", "explain_lines", "all_methods", "method_row",

@@ -4,7 +4,7 @@
 (``rollout/tree/config.py``), ``agency`` (``rollout/agency/config.py``), ``prefetch``
 (``rollout/source.py``), ``scale`` (Ray rollout workers and training processes, ``launch.py``),
 ``critic`` and ``lora`` (``learner/config.py``), ``engine`` and ``sampling`` (``rollout/engine_config.py``), ``guard``
-(``guard.py``), ``drift`` (``drift.py``), ``data`` (the data file and the prompt format,
+(``guard.py``), ``drift`` (``drift.py``), ``distill`` (``distill.py``), ``data`` (the data file and the prompt format,
 ``tasks/config.py``), ``eval`` and ``log`` (``logconfig.py``). Users name every setting flat:
 ``--tree-roots`` / ``tree_roots`` is ``cfg.tree.roots``, and a feature's own switch keeps its name
 (``--agency DIR``, ``--guard``). ``settings`` lists them; ``add_config_args`` turns them into flags
@@ -30,6 +30,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal, NamedTuple
 
+from polyrl.distill import DistillConfig
 from polyrl.drift import DriftConfig
 from polyrl.guard import GuardConfig
 from polyrl.launch import ScaleConfig
@@ -37,6 +38,7 @@ from polyrl.learner.config import CriticConfig, LoraConfig
 from polyrl.logconfig import EvalConfig, LogConfig
 from polyrl.rollout.agency.config import AgencyConfig
 from polyrl.rollout.engine_config import EngineConfig, SamplingConfig
+from polyrl.rollout.preference_data import PreferenceConfig
 from polyrl.rollout.source import PrefetchConfig
 from polyrl.rollout.tree.config import TreeConfig
 from polyrl.tasks.config import DataConfig
@@ -103,7 +105,7 @@ class TrainConfig:
     scale: ScaleConfig = field(default_factory=ScaleConfig)
     """Ray rollout workers and FSDP2 training processes: --rollout-workers, --ray-*, --nproc, TOML table [scale]"""
     critic: CriticConfig = field(default_factory=CriticConfig)
-    """the critic of GAE presets: flags --critic-lr, --value-clip, TOML table [critic]"""
+    """the critic of GAE presets: flags --critic-lr, --value-clip, --value-loss-agg, TOML table [critic]"""
     lora: LoraConfig = field(default_factory=LoraConfig)
     """LoRA adapters through PEFT: flags --lora-*, TOML table [lora]"""
     engine: EngineConfig = field(default_factory=EngineConfig)
@@ -130,6 +132,10 @@ class TrainConfig:
     """the collapse guard: flags --guard, --guard-*, TOML table [guard]"""
     drift: DriftConfig = field(default_factory=DriftConfig)
     """the drift meter: flag --drift-prompts, TOML table [drift]"""
+    distill: DistillConfig = field(default_factory=DistillConfig)
+    """on-policy distillation: --teacher DIR (the KL term's reference), TOML table [distill]"""
+    preference: PreferenceConfig = field(default_factory=PreferenceConfig)
+    """offline preference pairs: --preference-file (dpo, kto, ... without generation), TOML table [preference]"""
     max_bad_steps: int = 5
     """stop after this many consecutive steps with a non-finite loss"""
     log: LogConfig = field(default_factory=LogConfig)
@@ -372,7 +378,7 @@ def validate(config: TrainConfig) -> None:
     for name in ("agency_schedule", "agency_mode"):
         _rule(name, getattr(cfg, name), cfg.agency is not None or getattr(cfg, name) == getattr(default, name),
               "only applies with agency transfer (add --agency DIR)")
-    _rule("value_clip", cfg.value_clip, cfg.value_clip > 0, "must be > 0")
+    _rule("value_clip", cfg.value_clip, cfg.value_clip >= 0, "must be >= 0 (0 = unclipped)")
     _rule("drift_prompts", cfg.drift_prompts, cfg.drift_prompts >= 0, "must be an integer >= 0 (0 = off)")
     _rule("drift_prompts", cfg.drift_prompts, not cfg.drift_prompts or (cfg.nproc == 1 and cfg.agency is None),
           "does not combine with nproc > 1 or --agency (it scores the probe set with the policy in this process, "

@@ -62,7 +62,8 @@ def composed_name(preset_method: Method, method: Method) -> str:
         old, new = getattr(preset_method, kind), getattr(method, kind)
         if old != new:
             changed.append("-".join(p.name for p in new) if new else f"no_{kind}")
-    for key in ("kl_coef", "kl_placement", "anchor"):
+    for key in ("kl_coef", "kl_placement", "anchor", "kl_target", "kl_horizon", "entropy_coef", "entropy_target",
+                "entropy_delta", "entropy_coef_max", "entropy_top"):
         if getattr(preset_method, key) != getattr(method, key) and not (key == "kl_coef" and method.kl is None):
             changed.append(f"{key}={getattr(method, key)}")
     return "+".join([preset_method.name, *changed])

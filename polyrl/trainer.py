@@ -29,8 +29,10 @@ from polyrl.errors import RewardError
 from polyrl.guard import make_monitor, roll_back
 from polyrl.logging import RunLogger, StepProgress, peak_rss_mb, plot_curves, write_summary
 from polyrl.objectives import Method
+from polyrl.objectives.controller import Controller
 from polyrl.objectives.group_layout import advantages
-from polyrl.objectives.objective import kl_in_reward, masked_mean
+from polyrl.objectives.kl import kl_in_reward
+from polyrl.objectives.objective import masked_mean
 from polyrl.rollout.collect import NoUsableGroups
 from polyrl.rollout.source import PromptStream
 from polyrl.runs import cut_logs, read_rows
@@ -55,6 +57,7 @@ class TrainState:
     solved_before: list[bool] | None = None  # held-out prompts the starting model solved (eval/retained, eval/gained)
     last_samples: list | None = None  # a few (prompt, completion, reward) of the latest batch, for samples.jsonl
     source: dict | None = None  # the rollout source's state (pass-rate histories), saved with each checkpoint
+    coefs: dict | None = None  # the method's adapted coefficients (adaptive KL beta, entropy alpha): Controller state
 
 
 def _seed_everything(seed: int) -> None:
@@ -163,7 +166,7 @@ def _train(cfg: TrainConfig, method: Method, parts: Components, *, task: Task, m
     wall = time.perf_counter() - started
     logger.close()
     summary = {
-        "method": method.name, "task": task.name, "model": model_dir, "steps": state.step,
+        "method": method.name, "task": task.name, "model": model_dir, **parts.run_info, "steps": state.step,
         "eval_before": state.eval_before, **parts.evaluate.summary(last), "wall_seconds": wall,
         "seconds_per_step": step_seconds / max(1, steps_done),
         "rollouts_per_second": rollouts / max(step_seconds, 1e-9),
@@ -179,6 +182,8 @@ def rl_step(cfg: TrainConfig, method: Method, state: TrainState, parts: Componen
             stream: PromptStream) -> dict[str, float]:
     """One RL step: collect, score, advantages, update. Returns the step's metrics."""
     learner, topk = parts.learner, parts.topk
+    controller = Controller(method, state.coefs)  # this step's coefficients; adapted once the step is measured
+    method = controller.method
     # 1. collect ----------------------------------------------------------------------------------
     t_start = time.perf_counter()
     stream.pos = state.data_pos
@@ -208,8 +213,11 @@ def rl_step(cfg: TrainConfig, method: Method, state: TrainState, parts: Componen
 
     # 3. advantages ----------------------------------------------------------------------------------
     token_rewards, kl_metrics = kl_in_reward(method, old_logp, ref_logp, tb.loss_mask)
+    kl_metrics.update(parts.reference_metrics(tb.rollout_logp if reuse_old else old_logp, ref_logp, tb.loss_mask))
     adv, returns = advantages(method, batch.rewards, batch.group_ids, tb.loss_mask, values=values,
-                              token_rewards=token_rewards, channels=batch.channels, tree=batch.tree)
+                              token_rewards=token_rewards, channels=batch.channels, tree=batch.tree,
+                              greedy_rewards=batch.greedy_rewards,
+                              sum_pi_sq=tb.sum_pi_sq, sampled_logp=tb.rollout_logp)
 
     # 4. update: epochs x minibatches x micro-batches (polyrl.update) --------------------------------
     t_score = time.perf_counter()
@@ -246,4 +254,6 @@ def rl_step(cfg: TrainConfig, method: Method, state: TrainState, parts: Componen
         "perf/skipped_steps": float(state.skipped_total),
         "rollout/gen_tokens": gen_tokens,
     })
+    metrics.update(controller.update(metrics, n_seqs=len(batch.samples)))
+    state.coefs = controller.state_dict()
     return metrics

@@ -92,7 +92,8 @@ def update_policy(learner: Learner, method: Method, s: Scored, counters: UpdateC
                 inputs = LossInputs(
                     logp=cur.logp, old_logp=s.old_logp[rows], adv=s.adv[rows], mask=mask[rows], normalizer=norm,
                     rollout_logp=tb.rollout_logp[rows], ref_logp=None if s.ref_logp is None else s.ref_logp[rows],
-                    entropy=cur.entropy.detach(), group_ids=s.group_ids[rows], group_tokens=group_tokens[micro],
+                    entropy=cur.entropy if method.entropy_grad else cur.entropy.detach(),  # differentiated by a bonus
+                    group_ids=s.group_ids[rows], group_tokens=group_tokens[micro],
                     segment_ids=s.segment_ids[rows], turn_ids=tb.turn_ids[rows], topk_ids=cur.topk_ids,
                     topk_logp=cur.topk_logp, old_topk_logp=old_topk, rollout_topk_logp=old_topk,
                     sample_weight=None if s.sample_weight is None else s.sample_weight[rows],

@@ -35,6 +35,7 @@ MOOT = [
     ("heldout_percent", 20, []),  # no data file to split
     ("critic_lr", 1e-3, []),  # grpo has no critic
     ("value_clip", 0.2, []),
+    ("value_loss_agg", "seq_mean_token_mean", []),
     ("max_gen_rounds", 2, []),  # grpo has no group filter
     ("max_gen_rounds", 2, ["--method", "dapo", "--sampler", "tree", "--filter", "none"]),  # tree: fixed budget
     ("tree_root_frac", 0.25, []),  # uniform sampler
@@ -61,6 +62,7 @@ MOOT = [
     ("lora_alpha", 32.0, []),  # full fine-tuning
     ("lora_targets", "q_proj,v_proj", []),
     ("lora_dropout", 0.1, []),
+    ("teacher", "{data}", ["--method", "dr_grpo"]),  # no KL term whose reference the teacher could be
 ]
 # Fields that always change what runs (or how the run is kept and shown).
 ALWAYS = {"method", "task", "reward_funcs", "reward_weights", "model", "run_dir", "steps", "prompts_per_step",
@@ -69,7 +71,8 @@ ALWAYS = {"method", "task", "reward_funcs", "reward_weights", "model", "run_dir"
           "agency", "async_staleness", "eval_every", "eval_prompts", "checkpoint_every", "resume", "resume_from",
           "overwrite", "seed", "threads", "dtype", "guard", "max_bad_steps", "log_every", "tensorboard", "wandb",
           "chat_template",
-          "rollout_workers", "nproc", "generator", "lora_rank", "drift_prompts"}
+          "rollout_workers", "nproc", "generator", "lora_rank", "drift_prompts",
+          "preference_file"}
 
 
 def test_every_field_is_classified():
@@ -90,7 +93,7 @@ def test_a_setting_without_effect_is_refused_in_one_line(tiny_model, tmp_path, n
 
 
 @pytest.mark.parametrize("argv", [
-    ["--method", "ppo", "--critic-lr", "1e-3", "--value-clip", "0.2"],  # a critic preset
+    ["--method", "ppo", "--critic-lr", "1e-3", "--value-clip", "0.2", "--value-loss-agg", "token_sum"],  # a critic
     ["--method", "dapo", "--max-gen-rounds", "2"],  # dynamic sampling refills
     ["--guard", "--guard-lr-factor", "0.25"],
     ["--sampler", "tree", "--tree-roots", "sample"],

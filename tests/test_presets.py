@@ -64,7 +64,8 @@ def test_divergence_presets_anchor_to_the_rollout_policy():
 
 
 def test_critic_presets_need_values():
-    assert {n for n in PRESETS if get_method(n).needs_values} == {"a2c", "ppo", "spo", "turn_ppo", "s_ppo", "st_ppo"}
+    critics = {"a2c", "ppo", "spo", "turn_ppo", "s_ppo", "st_ppo", "ppo_adaptive_kl"}
+    assert {n for n in PRESETS if get_method(n).needs_values} == critics
 
 
 def test_grpo_all_equal_rewards_leave_only_the_kl_gradient():

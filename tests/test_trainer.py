@@ -9,9 +9,11 @@ import pytest
 import torch
 from rich.console import Console
 
+from polyrl.build import check_combinations
 from polyrl.cli import main
-from polyrl.config import TrainConfig, build_config
+from polyrl.config import ConfigError, TrainConfig, build_config
 from polyrl.methods import PRESETS, get_method
+from polyrl.registry import ADVANTAGES
 from polyrl.tasks.arithmetic import AdditionTask
 from polyrl.trainer import train
 
@@ -40,7 +42,16 @@ def _weights(model_dir):
 
 @pytest.mark.parametrize("name", sorted(PRESETS))
 def test_every_preset_trains_a_few_steps(name, tiny_model, tmp_path):
-    summary = train(_cfg(), get_method(name), model_dir=tiny_model, task=_task(), run_dir=str(tmp_path), console=QUIET)
+    method = get_method(name)
+    pass_fail = "pass_fail" in ADVANTAGES.spec(method.advantage.name).tags  # pass@k: a 0/1 reward, groups of 2k
+    cfg = _cfg(group_size=max(4, 2 * method.advantage.params.get("k", 0)),
+               **({"reward_funcs": "tests.reward_fns:even_length"} if pass_fail else {}))
+    try:
+        check_combinations(cfg, method, _task())
+    except ConfigError as e:  # only a preset that needs a teacher (tests/test_distill.py trains it with one)
+        assert "needs --teacher" in str(e) and "\n" not in str(e), str(e)
+        return
+    summary = train(cfg, method, model_dir=tiny_model, task=_task(), run_dir=str(tmp_path), console=QUIET)
     assert summary["steps"] == 2 and summary["skipped_steps"] == 0
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "reward/mean" in r]

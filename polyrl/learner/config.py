@@ -1,9 +1,9 @@
-"""The critic's settings (GAE presets): `--critic-lr`, `--value-clip`, TOML `[critic]`, `TrainConfig.critic`."""
+"""The critic's settings (GAE presets): `--critic-lr`, `--value-clip`, `--value-loss-agg`, TOML `[critic]`."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 
 @dataclass
@@ -15,7 +15,10 @@ class CriticConfig:
     lr: float = 1e-4
     """learning rate of the critic (GAE presets only)"""
     value_clip: float = field(default=0.5, metadata={"flag": "value_clip"})
-    """critic value clipping range eps_v (GAE presets only)"""
+    """critic value clipping range eps_v around the rollout-time values (0 = unclipped squared error)"""
+    value_loss_agg: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "token_sum"] = field(
+        default="token_mean", metadata={"flag": "value_loss_agg"})
+    """how the critic's per-token losses make its loss (verl critic.loss_agg_mode; an aggregation part's name)"""
 
 
 @dataclass

@@ -55,6 +55,7 @@ from polyrl.learner.sharded import is_sharded, load_sharded, load_unsharded, sav
 from polyrl.model import TokenLogprobs, completion_logprobs
 from polyrl.objectives.value import clipped_value_loss
 from polyrl.rollout.generator import Sample
+from polyrl.types import Normalizer
 
 SCORE = "polyrl_score"  # the FSDP forward method that runs completion_logprobs on a sharded causal LM
 
@@ -104,7 +105,8 @@ class FSDPLearner:
     def __init__(self, model: nn.Module, *, lr: float, weight_decay: float, warmup_steps: int, max_grad_norm: float,
                  temperature: float, top_p: float, top_k: int, fp32_head: bool, micro_batch_size: int,
                  reference: nn.Module | None = None, ref_sync_every: int = 0, critic: nn.Module | None = None,
-                 critic_lr: float = 1e-4, value_clip: float = 0.5, mesh: DeviceMesh | None = None):
+                 critic_lr: float = 1e-4, value_clip: float = 0.5, value_loss_agg: str = "token_mean",
+                 mesh: DeviceMesh | None = None):
         if not dist.is_initialized():
             raise RuntimeError("FSDPLearner needs a process group: call polyrl.learner.dist.init_from_env() first")
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
@@ -114,7 +116,7 @@ class FSDPLearner:
         self.reference = shard_module(reference, self.mesh, scorer=True) if reference is not None else None
         self.ref_sync_every = ref_sync_every
         self.critic = shard_module(critic, self.mesh, scorer=False) if critic is not None else None
-        self.value_clip = value_clip
+        self.value_clip, self.value_loss_agg = value_clip, value_loss_agg
         self.critic_opt = torch.optim.AdamW(self.critic.parameters(), lr=critic_lr) if critic is not None else None
         self.optimizer, self.scheduler = make_optimizer(self.model.parameters(), lr=lr, weight_decay=weight_decay,
                                                         warmup_steps=warmup_steps)
@@ -197,15 +199,16 @@ class FSDPLearner:
         self.optimizer.zero_grad(set_to_none=True)
 
     def critic_step(self, batch: TokenBatch, old_values: Tensor, returns: Tensor) -> dict[str, float]:
-        """One critic step on the clipped value loss of ``batch``, its rows split among ranks; each rank's share is
-        rescaled to the minibatch's token count, so the summed gradient is the one-process gradient."""
+        """One critic step on the clipped value loss of ``batch``, its rows split among ranks; each rank divides by the
+        whole minibatch's denominators, so the summed gradient is the one-process gradient."""
         if self.critic is None or self.critic_opt is None:
             return {}
         index, real = pdist.row_shard(batch.input_ids.shape[0])
         mask = batch.loss_mask[index] * real[:, None].to(batch.loss_mask.dtype)
         values = self._critic(batch.rows(index))
-        share = mask.sum().clamp_min(1.0) / batch.loss_mask.sum().clamp_min(1.0)
-        v_loss = clipped_value_loss(values, old_values[index], returns[index], mask, self.value_clip) * share
+        norm = Normalizer.from_batch(batch.loss_mask, torch.zeros(batch.loss_mask.shape[0], dtype=torch.long))
+        v_loss = clipped_value_loss(values, old_values[index], returns[index], mask, self.value_clip,
+                                    self.value_loss_agg, norm)
         self.critic_opt.zero_grad(set_to_none=True)
         v_loss.backward()
         self.critic_opt.step()

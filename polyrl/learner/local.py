@@ -167,12 +167,13 @@ class LocalLearner:
         critic: ValueHead | None = None,
         critic_lr: float = 1e-4,
         value_clip: float = 0.5,
+        value_loss_agg: str = "token_mean",
         adapters: Any | None = None,
     ):
         self.model = model
         self.adapters = adapters  # LoRA: the PEFT model; only its adapters train and the checkpoint holds them alone
         self.reference, self.ref_sync_every = reference, ref_sync_every
-        self.critic, self.value_clip = critic, value_clip
+        self.critic, self.value_clip, self.value_loss_agg = critic, value_clip, value_loss_agg
         self.critic_opt = torch.optim.AdamW(critic.parameters(), lr=critic_lr) if critic is not None else None
         self.optimizer, self.scheduler = make_optimizer(trainable_parameters(model), lr=lr, weight_decay=weight_decay,
                                                         warmup_steps=warmup_steps)
@@ -219,7 +220,8 @@ class LocalLearner:
         """One critic optimizer step on the clipped value loss of ``batch``; {} without a critic."""
         if self.critic is None or self.critic_opt is None:
             return {}
-        v_loss = clipped_value_loss(self.critic(batch), old_values, returns, batch.loss_mask, self.value_clip)
+        v_loss = clipped_value_loss(self.critic(batch), old_values, returns, batch.loss_mask, self.value_clip,
+                                    self.value_loss_agg)
         self.critic_opt.zero_grad(set_to_none=True)
         v_loss.backward()
         self.critic_opt.step()

@@ -214,12 +214,16 @@ def gdpo(
     *,
     eps: float = 1e-6,
     weights: str = "",
+    whiten: Literal["responses", "tokens"] = "responses",
 ) -> Tensor:
     """GDPO: per-channel group z-score, weighted sum S = sum_c w_c Ahat_c, then batch z-score of S. [B].
 
     rewards [B, C] ([B] is C = 1); weights "1,0.5" or "1;0.5" (the CLI form ``gdpo:weights=1;0.5``;
-    empty = all 1). Convention: Bessel (sample) std for
-    the per-channel and the batch statistics, as ``grpo``; a group of one gives 0 in every channel.
+    empty = all 1). whiten = "responses": (S - mean_i S) / (std_i S + eps) over the batch's responses (the
+    paper's equation and its TRL code); "tokens": each response weighted by its number of loss tokens n_i,
+    m = sum n_i S_i / N, var = sum n_i (S_i - m)^2 / (N - 1), N = sum n_i (verl's masked_whiten of the
+    per-token advantages, as the paper's verl code). Convention: Bessel (sample) std for the per-channel and
+    the batch statistics, as ``grpo``; a group of one gives 0 in every channel and in the result.
     """
     if token_rewards is not None:
         raise ValueError("advantage 'gdpo' takes no token_rewards (put the KL in the loss or in a channel)")
@@ -233,5 +237,16 @@ def gdpo(
         )
     s = (_group_z(r, group_ids, eps, unbiased=True) * torch.tensor(w, dtype=r.dtype, device=r.device)).sum(-1)
     n, _, _ = _group_stats(s, group_ids)
-    # The batch mean of S is 0 (every group's z-scores sum to 0): a group of one stays exactly 0.
-    return torch.where(n > 1, _batch_std(s, eps), torch.zeros_like(s))
+    # A group of one has S = 0; it stays exactly 0 (with "responses" the batch mean of S is 0 anyway).
+    return torch.where(n > 1, _batch_std(s, eps) if whiten == "responses" else _token_std(s, mask, eps),
+                       torch.zeros_like(s))
+
+
+def _token_std(x: Tensor, mask: Tensor, eps: float) -> Tensor:
+    """(x - m) / (std + eps) with every x_i counted once per loss token (Bessel over the N tokens); 0 if N < 2."""
+    w = (mask.detach() > 0).to(x.dtype).sum(-1)
+    N = w.sum()
+    if N < 2:
+        return torch.zeros_like(x)
+    m = (w * x).sum() / N
+    return _div(x - m, ((w * (x - m) ** 2).sum() / (N - 1)).sqrt() + eps)

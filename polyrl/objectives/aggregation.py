@@ -68,3 +68,19 @@ def prompt_mean(per_token_loss: Tensor, mask: Tensor, norm: Normalizer, group_to
         raise ValueError("aggregation 'prompt_mean' needs LossInputs.group_tokens (per-sequence group token totals)")
     per_seq = _masked(per_token_loss, mask).sum(-1) / group_tokens.to(per_token_loss.dtype).clamp_min(1.0)
     return per_seq.sum() / norm.num_prompts
+
+
+@AGGREGATIONS.register("token_sum", paper="arXiv:2503.20783", ranges={"scale": ">0"})
+def token_sum(per_token_loss: Tensor, mask: Tensor, norm: Normalizer, group_tokens: Tensor | None, *,
+              scale: float = 1.0) -> Tensor:
+    """Sum every loss token of the step, divided by a constant only: sum_{i,t} m*l / scale.
+
+    No data-dependent denominator at all (Dr. GRPO's argument taken to its end: every token weighs the same
+    whatever the batch's lengths and sizes), so the gradient grows with the number of tokens per step; ``scale``
+    (a constant) sets its size.
+    Convention: verl has no "token-sum" mode (its modes are token-mean, seq-mean-token-sum, seq-mean-token-mean and
+    seq-mean-token-sum-norm; the newest seq-mean-token-sum-norm is sum / loss_scale_factor per micro-batch, then
+    x 1/grad-accumulation); TRL has none either. We divide by ``scale`` alone (default 1: the plain sum), which is
+    micro-batch invariant exactly [assumed: the brief's "sum of per-token losses over the whole step batch"].
+    """
+    return _masked(per_token_loss, mask).sum() / scale

@@ -21,17 +21,32 @@ from polyrl.types import TreeInfo
 
 def advantages(method: Method, rewards: Tensor, group_ids: Tensor, mask: Tensor, *, values: Tensor | None = None,
                token_rewards: Tensor | None = None, channels: Tensor | None = None,
-               tree: TreeInfo | None = None) -> tuple[Tensor, Tensor | None]:
+               tree: TreeInfo | None = None, greedy_rewards: Tensor | None = None, sum_pi_sq: Tensor | None = None,
+               sampled_logp: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
     """Token advantages [B, T] of the method's estimator, and value targets [B, T] when there are ``values``.
 
     ``rewards`` [B] (shaped), ``group_ids`` [B], ``mask`` [B, T] loss tokens, ``values`` [B, T] critic values,
-    ``token_rewards`` [B, T] (a KL penalty, already negative), ``channels`` [B, C], ``tree`` the sample layout.
+    ``token_rewards`` [B, T] (a KL penalty, already negative), ``channels`` [B, C], ``tree`` the sample layout,
+    ``greedy_rewards`` [B] the reward of each prompt's greedy completion (for estimators tagged ``needs_greedy``),
+    ``sum_pi_sq`` [B, T] and ``sampled_logp`` [B, T] the sampler's sum_v pi_v^2 and log pi of each sampled token
+    (for estimators tagged ``needs_sum_pi_sq``, the optimal token baseline).
     Tree groups compare sequence rewards, so a KL penalty in the reward is summed over the tokens each sample
     trains on first (a continuation's copy of its prefix has loss mask 0: the root rollout carries it).
     """
     spec = method.advantage
     fn = ADVANTAGES.fn(spec.name)
     mask64 = mask.double()
+    extra: tuple[Tensor, ...] = ()
+    if "needs_greedy" in ADVANTAGES.spec(spec.name).tags:  # ReMax: the greedy decode's reward is its baseline
+        if greedy_rewards is None or tree is not None:
+            raise ValueError(f"advantage {spec.name!r} needs the reward of each prompt's greedy completion "
+                             "(RolloutBatch.greedy_rewards), which only the uniform sampler decodes")
+        extra = (greedy_rewards.double(),)
+    if "needs_sum_pi_sq" in ADVANTAGES.spec(spec.name).tags:  # OTB: W_t from the sampler's token probabilities
+        if sum_pi_sq is None or sampled_logp is None or tree is not None:
+            raise ValueError(f"advantage {spec.name!r} needs the sampler's per-token sum_v pi_v^2 and log-probs "
+                             "(SamplingParams.sum_pi_sq), which only the uniform hf sampler records")
+        extra = (sum_pi_sq.double(), sampled_logp.double())
     if tree is not None:
         seq = rewards.double()
         if token_rewards is not None:
@@ -42,7 +57,7 @@ def advantages(method: Method, rewards: Tensor, group_ids: Tensor, mask: Tensor,
         per_channel = "channels" in ADVANTAGES.spec(spec.name).tags and channels is not None
         source = channels if per_channel else rewards
         adv = fn(source.double(), group_ids, mask64, None if values is None else values.double(), token_rewards,
-                 **spec.params).float()
+                 *extra, **spec.params).float()
         adv = adv[:, None].expand_as(mask).contiguous() if adv.dim() == 1 else adv
     returns = None
     if values is not None:

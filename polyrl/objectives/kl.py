@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from polyrl.objectives.objective import Method, _call, masked_mean
 from polyrl.registry import KL
 
 
@@ -76,6 +77,17 @@ def k3_plus(logp: Tensor, ref_logp: Tensor, old_logp: Tensor | None, *, clamp: f
     return _straight_through(_k3(d).clamp(-value_clamp, value_clamp), d)
 
 
+@KL.register("abs", paper="github.com/huggingface/trl (PPOConfig.kl_penalty)", ranges={"clamp": ">0"})
+def abs_kl(logp: Tensor, ref_logp: Tensor, old_logp: Tensor | None, *, clamp: float = 20.0) -> Tensor:
+    """Take |k1| = |logp - ref_logp| (verl and TRL's kl_penalty "abs"): >= 0, biased; gradient sign(logp - ref_logp).
+
+    Not an unbiased KL estimate (E|k1| >= |E k1|): a symmetric penalty on the log-ratio of every sampled token.
+    Convention: d = ref_logp - logp is clamped to [-clamp, clamp] like every estimator here (verl and TRL do not
+    clamp "abs"); the gradient at logp = ref_logp is 0 (torch's subgradient of |x| at 0).
+    """
+    return _d(logp, ref_logp, clamp).abs()
+
+
 @KL.register("k3_unbiased", paper="arXiv:2512.02556", ranges={"clamp": ">0"})
 def k3_unbiased(logp: Tensor, ref_logp: Tensor, old_logp: Tensor | None, *, clamp: float = 20.0) -> Tensor:
     """Importance-corrected k3 (DeepSeek-V3.2): sg(pi_theta / pi_old) * k3, unbiased on samples from pi_old.
@@ -88,3 +100,38 @@ def k3_unbiased(logp: Tensor, ref_logp: Tensor, old_logp: Tensor | None, *, clam
         )
     w = (logp.detach() - old_logp.detach()).clamp(-clamp, clamp).exp()
     return w * _k3(_d(logp, ref_logp, clamp))
+
+
+def kl_reward_penalty(method: Method, old_logp: Tensor, ref_logp: Tensor, mask: Tensor) -> Tensor:
+    """Per-token reward penalty kl_coef * KL(old, ref), detached [B, T] (zeros unless placement is reward).
+
+    PPO-RLHF, REINFORCE++ and RLOO put k1 of the sampling policy against the reference into the
+    reward; the trainer subtracts this from the token rewards before computing advantages.
+    """
+    if method.kl is None or method.kl_coef == 0 or method.kl_placement != "reward":
+        return torch.zeros_like(old_logp)
+    with torch.no_grad():
+        kl = _call(KL, method.kl, old_logp, ref_logp, old_logp)
+    return method.kl_coef * kl * mask
+
+
+def kl_in_reward(method: Method, old_logp: Tensor, ref_logp: Tensor | None,
+                 mask: Tensor) -> tuple[Tensor | None, dict[str, float]]:
+    """Token rewards [B, T] (float64, already negative) of a KL penalty placed in the reward, and its metrics.
+
+    None and no metric unless the method puts its KL in the reward and there is a reference. The metric
+    ``reward/kl_penalty`` is the penalty's mean per loss token (verl logs it as ``actor/reward_kl_penalty``),
+    so a run shows whether a penalty shaped its rewards; ``reward/kl`` is the estimator itself (before beta)
+    averaged per sequence, then over sequences: verl's ``current_kl``, which the adaptive controller reads.
+    """
+    if method.kl_placement != "reward" or ref_logp is None:
+        return None, {}
+    token_rewards = -kl_reward_penalty(method, old_logp, ref_logp, mask).double()
+    metrics = {"reward/kl_penalty": float(masked_mean(-token_rewards, mask))}
+    if method.kl is not None and method.kl_coef > 0:
+        with torch.no_grad():
+            kl = _call(KL, method.kl, old_logp, ref_logp, old_logp).double() * mask
+        has = mask.sum(-1) > 0
+        per_seq = kl.sum(-1)[has] / mask.sum(-1)[has]
+        metrics["reward/kl"] = float(per_seq.mean()) if per_seq.numel() else 0.0
+    return token_rewards, metrics

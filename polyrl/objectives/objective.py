@@ -2,19 +2,20 @@
 
 ``Method`` names one part of each kind with resolved parameters. ``build_method`` validates every
 part against its registry when the method is built, so a misspelled or out-of-range setting fails
-before any model is loaded. ``policy_loss`` calls ratio -> trust region -> corrections -> KL ->
-aggregation and contains no branch on a part's name.
+before any model is loaded. ``policy_loss`` calls ratio -> trust region -> corrections -> the 80/20 token mask ->
+KL -> entropy bonus -> aggregation and contains no branch on a part's name.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import Any, Literal
 
 import torch
 from torch import Tensor
 
+from polyrl.objectives.regularisers import check_regularisers, high_entropy_mask
 from polyrl.registry import (
     ADVANTAGES,
     AGGREGATIONS,
@@ -49,6 +50,13 @@ class Method:
     kl: Part | None = None  # KL estimator; None = no KL term
     kl_coef: float = 0.0  # beta multiplying the KL estimator
     kl_placement: KLPlacement = "loss"  # "loss": added per token to the loss; "reward": subtracted from token rewards
+    kl_target: float = 0.0  # adaptive beta (Ziegler et al.) toward this measured KL; 0 = fixed kl_coef
+    kl_horizon: int = 10_000  # the adaptive controller's horizon H (sequences)
+    entropy_coef: float = 0.0  # entropy bonus: loss -= coef * entropy per token (the start alpha when adaptive)
+    entropy_target: float = 0.0  # adaptive alpha (Skywork-OR1) toward this entropy per token; 0 = fixed entropy_coef
+    entropy_delta: float = 0.005  # the adaptive alpha's step per RL step
+    entropy_coef_max: float = 0.0  # the adaptive alpha's ceiling (required with entropy_target)
+    entropy_top: float = 0.0  # train only on the top fraction of loss tokens by entropy (80/20 rule); 0 = all
     shapers: tuple[Part, ...] = ()  # reward shapers, applied in order after scoring
     filters: tuple[Part, ...] = ()  # group/sample filters (dynamic sampling lives in rollout.collect)
     anchor: Anchor = "old"  # ratio denominator: recomputed pi_old, or the rollout engine's mu (DPPO family)
@@ -72,6 +80,11 @@ class Method:
         return "needs_topk" in TRUST_REGIONS.spec(self.trust_region.name).tags
 
     @property
+    def entropy_grad(self) -> bool:
+        """True when the loss differentiates the entropy (a fixed or adaptive bonus); else it is only a metric."""
+        return self.entropy_coef > 0 or self.entropy_target > 0
+
+    @property
     def needs_ref(self) -> bool:
         """True when a reference model is scored: a KL term, Humanline syncing, or a trust region tagged
         ``needs_ref`` (the preference losses: DPO, KTO and their variants read pi_ref)."""
@@ -87,6 +100,11 @@ class Method:
             "aggregation": str(self.aggregation),
             "corrections": [str(c) for c in self.corrections],
             "kl": f"{self.kl} x {self.kl_coef:g} in {self.kl_placement}" if self.kl and self.kl_coef > 0 else "none",
+            "kl_target": f"{self.kl_target:g} (horizon {self.kl_horizon})" if self.kl_target else "none",
+            "entropy": (f"-{self.entropy_coef:g} x entropy" + (f", adaptive to {self.entropy_target:g} (step "
+                        f"{self.entropy_delta:g}, max {self.entropy_coef_max:g})" if self.entropy_target else "")
+                        if self.entropy_grad else "none"),
+            "entropy_top": self.entropy_top or "all tokens",
             "shapers": [str(s) for s in self.shapers],
             "filters": [str(f) for f in self.filters],
             "anchor": self.anchor,
@@ -105,6 +123,13 @@ def build_method(
     kl: PartLike | None = None,
     kl_coef: float = 0.0,
     kl_placement: KLPlacement = "loss",
+    kl_target: float = 0.0,
+    kl_horizon: int = 10_000,
+    entropy_coef: float = 0.0,
+    entropy_target: float = 0.0,
+    entropy_delta: float = 0.005,
+    entropy_coef_max: float = 0.0,
+    entropy_top: float = 0.0,
     shapers: Sequence[PartLike] = (),
     filters: Sequence[PartLike] = (),
     anchor: Anchor = "old",
@@ -123,6 +148,8 @@ def build_method(
         raise PartError(f"method {name!r}: ref_sync_every = {ref_sync_every!r} must be an integer >= 0")
     if kl_coef > 0 and kl is None:
         raise PartError(f"method {name!r}: kl_coef = {kl_coef} needs a KL estimator (kl=k1|k2|k3|...)")
+    check_regularisers(name, kl is not None and kl_coef > 0, kl_target, kl_horizon, entropy_coef, entropy_target,
+                        entropy_delta, entropy_coef_max, entropy_top)
     return Method(
         name=name,
         advantage=resolve_part(ADVANTAGES, advantage),
@@ -133,6 +160,9 @@ def build_method(
         kl=None if kl is None else resolve_part(KL, kl),
         kl_coef=float(kl_coef),
         kl_placement=kl_placement,
+        kl_target=float(kl_target),
+        kl_horizon=kl_horizon, entropy_coef=float(entropy_coef), entropy_target=float(entropy_target),
+        entropy_delta=float(entropy_delta), entropy_coef_max=float(entropy_coef_max), entropy_top=float(entropy_top),
         shapers=tuple(resolve_part(SHAPERS, s) for s in shapers),
         filters=tuple(resolve_part(FILTERS, f) for f in filters),
         anchor=anchor,
@@ -159,29 +189,17 @@ def override(method: Method, **changes: Any) -> Method:
             out[key] = tuple(resolve_part(many[key], v) for v in value)
         elif key == "kl":
             out[key] = None if value in (None, "none") else resolve_part(KL, value, method.kl)
-        elif key in ("kl_coef", "kl_placement", "anchor", "ref_sync_every", "name"):
+        elif key in SETTINGS:
             out[key] = value
         else:
-            raise PartError(f"cannot override {key!r}; allowed: {', '.join([*single, *many, 'kl', 'kl_coef'])}")
+            raise PartError(f"cannot override {key!r}; allowed: {', '.join([*single, *many, 'kl', *SETTINGS])}")
     new = replace(method, **out)
     # Re-run the method-level checks on the combined result.
-    return build_method(
-        new.name,
-        advantage=new.advantage,
-        ratio=new.ratio,
-        trust_region=new.trust_region,
-        aggregation=new.aggregation,
-        corrections=new.corrections,
-        kl=new.kl,
-        kl_coef=new.kl_coef,
-        kl_placement=new.kl_placement,
-        shapers=new.shapers,
-        filters=new.filters,
-        anchor=new.anchor,
-        ref_sync_every=new.ref_sync_every,
-        paper=new.paper,
-        summary=new.summary,
-    )
+    return build_method(**{f.name: getattr(new, f.name) for f in fields(new)})
+
+
+SETTINGS = ("kl_coef", "kl_placement", "kl_target", "kl_horizon", "entropy_coef", "entropy_target", "entropy_delta",
+            "entropy_coef_max", "entropy_top", "anchor", "ref_sync_every", "name")  # plain values ``override`` sets
 
 
 def _call(registry: Registry, part: Part, *args: Any) -> Any:
@@ -192,6 +210,12 @@ def masked_mean(x: Tensor, mask: Tensor) -> Tensor:
     """Detached mean of ``x`` over ``mask`` (for metrics)."""
     x = torch.where(mask > 0, x.detach(), torch.zeros_like(x, dtype=x.dtype))
     return x.sum() / mask.sum().clamp_min(1.0)
+
+
+def _entropy(inp: LossInputs, setting: str) -> Tensor:
+    if inp.entropy is None:
+        raise ValueError(f"{setting} needs LossInputs.entropy [B, T] (entropy per token, with gradient for a bonus)")
+    return inp.entropy
 
 
 def policy_loss(inp: LossInputs, method: Method) -> LossOutput:
@@ -206,6 +230,10 @@ def policy_loss(inp: LossInputs, method: Method) -> LossOutput:
         weight = _call(CORRECTIONS, corr, inp.old_logp, inp.rollout_logp, inp.mask, inp.adv).detach()
         per_token = per_token * weight
         metrics[f"correction/{corr.name}_weight"] = masked_mean(weight, inp.mask)
+    if method.entropy_top > 0:  # the policy gradient only through the high-entropy minority (80/20 rule)
+        keep = high_entropy_mask(_entropy(inp, "entropy_top"), inp.mask, method.entropy_top)
+        per_token = per_token * keep
+        metrics["objective/entropy_top_kept"] = masked_mean(keep, inp.mask)
 
     if method.kl is not None and method.kl_coef > 0 and method.kl_placement == "loss":
         if inp.ref_logp is None:
@@ -213,6 +241,9 @@ def policy_loss(inp: LossInputs, method: Method) -> LossOutput:
         kl = _call(KL, method.kl, inp.logp, inp.ref_logp, inp.old_logp)
         per_token = per_token + method.kl_coef * kl
         metrics["objective/kl"] = masked_mean(kl, inp.mask)
+    if method.entropy_coef > 0:  # entropy bonus (verl entropy_coeff), aggregated like the policy loss
+        per_token = per_token - method.entropy_coef * _entropy(inp, "entropy_coef")
+        metrics["objective/entropy_bonus"] = method.entropy_coef * masked_mean(inp.entropy, inp.mask)
     if inp.sample_weight is not None:  # an importance-weighted batch (tree sampler, sampled roots)
         per_token = per_token * inp.sample_weight.to(per_token.dtype)[:, None]
 
@@ -247,32 +278,4 @@ def zero_grad_by_quarter(surrogate: Tensor, logp: Tensor, mask: Tensor,
     return out
 
 
-def kl_reward_penalty(method: Method, old_logp: Tensor, ref_logp: Tensor, mask: Tensor) -> Tensor:
-    """Per-token reward penalty kl_coef * KL(old, ref), detached [B, T] (zeros unless placement is reward).
-
-    PPO-RLHF, REINFORCE++ and RLOO put k1 of the sampling policy against the reference into the
-    reward; the trainer subtracts this from the token rewards before computing advantages.
-    """
-    if method.kl is None or method.kl_coef == 0 or method.kl_placement != "reward":
-        return torch.zeros_like(old_logp)
-    with torch.no_grad():
-        kl = _call(KL, method.kl, old_logp, ref_logp, old_logp)
-    return method.kl_coef * kl * mask
-
-
-__all__ = ["Method", "build_method", "override", "policy_loss", "kl_reward_penalty", "masked_mean",
-           "zero_grad_by_quarter"]
-
-
-def kl_in_reward(method: Method, old_logp: Tensor, ref_logp: Tensor | None,
-                 mask: Tensor) -> tuple[Tensor | None, dict[str, float]]:
-    """Token rewards [B, T] (float64, already negative) of a KL penalty placed in the reward, and its metric.
-
-    None and no metric unless the method puts its KL in the reward and there is a reference. The metric
-    ``reward/kl_penalty`` is the penalty's mean per loss token (verl logs it as ``actor/reward_kl_penalty``),
-    so a run shows whether a penalty shaped its rewards.
-    """
-    if method.kl_placement != "reward" or ref_logp is None:
-        return None, {}
-    token_rewards = -kl_reward_penalty(method, old_logp, ref_logp, mask).double()
-    return token_rewards, {"reward/kl_penalty": float(masked_mean(-token_rewards, mask))}
+__all__ = ["Method", "build_method", "override", "policy_loss", "masked_mean", "zero_grad_by_quarter"]

@@ -9,6 +9,7 @@ requested number of groups or ``max_rounds`` generation rounds were spent. Sampl
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass, field
 
@@ -16,7 +17,7 @@ import torch
 from torch import Tensor
 
 from polyrl.objectives import Method
-from polyrl.registry import FILTERS
+from polyrl.registry import ADVANTAGES, FILTERS
 from polyrl.rollout.generator import Sample, SamplingParams
 from polyrl.rollout.score import mixed_groups, shape
 from polyrl.tasks.base import Prompt
@@ -51,6 +52,7 @@ class RolloutBatch:
     stats: dict[str, float] = field(default_factory=dict)  # rollout/* and reward/* metrics
     tree: TreeInfo | None = None  # tree rollouts: root/sibling groups and branch points (rollout/tree)
     sample_weight: Tensor | None = None  # [B] importance weight of each sample's loss, mean 1 (None: all 1)
+    greedy_rewards: Tensor | None = None  # [B] shaped reward of the greedy completion of each sample's prompt (ReMax)
 
 
 SampleFn = Callable[[list[Prompt], SamplingParams], list[Sample]]  # EpisodeRunner.sample: n samples per prompt
@@ -74,11 +76,18 @@ def collect(
     Prompt) pairs of the training stream.
     ``history`` (pool index -> best pass rate so far) is updated with every scored group, so
     no-positive-resampling removes a prompt once it was solved often enough.
+    An advantage tagged ``needs_sum_pi_sq`` (OTB) has the sampler record sum_v pi_v^2 of every sampled token.
+    An advantage tagged ``needs_greedy`` (ReMax) also gets one greedy completion per prompt, sampled with the
+    same weights and scored and shaped as the others; only its reward is kept (``greedy_rewards``), never trained on.
     """
     G = params.n
     kept_groups: list[tuple[int, Prompt, list[Sample], Tensor, Tensor, Tensor, Tensor | None, Tensor, Tensor]] = []
     generated = useful = rounds = 0
     tokens_generated = 0
+    greedy = "needs_greedy" in ADVANTAGES.spec(method.advantage.name).tags
+    if "needs_sum_pi_sq" in ADVANTAGES.spec(method.advantage.name).tags:  # OTB: the sampler records sum_v pi_v^2
+        params = dataclasses.replace(params, sum_pi_sq=True)
+    kept_greedy: list[tuple[float, float]] = []  # (raw score, shaped reward) of each kept group's greedy completion
     while len(kept_groups) < num_groups and rounds < max_rounds:
         rounds += 1
         need = num_groups - len(kept_groups)
@@ -92,6 +101,8 @@ def collect(
         truncated = torch.tensor([s.finish_reason == "length" for s in samples])
         gids = torch.tensor([drawn[s.prompt_index][0] for s in samples])
         shaped = shape(method, scores, lengths, truncated, params.max_new_tokens)
+        if greedy:
+            g_scores, g_shaped = _greedy_rewards(sample, rewards, method, drawn, params)
         keep = torch.ones(len(samples), dtype=torch.bool)
         for filt in method.filters:
             # Filters judge the task scores, not the shaped rewards: DAPO's dynamic sampling drops groups whose
@@ -106,6 +117,8 @@ def collect(
             if keep[rows].any() and len(kept_groups) < num_groups:
                 kept_groups.append((pool_idx, prompt, samples[rows], scores[rows], shaped[rows], keep[rows],
                                     None if channels is None else channels[rows], lengths[rows], truncated[rows]))
+                if greedy:
+                    kept_greedy.append((float(g_scores[g]), float(g_shaped[g])))
     if not kept_groups:
         raise NoUsableGroups(
             f"every sampled group was filtered out in {rounds} generation round(s) "
@@ -126,6 +139,8 @@ def collect(
     if kept_groups[0][6] is not None:  # several reward channels: each one's mean (GDPO normalises them separately)
         for c, mean in enumerate(torch.cat([grp[6] for grp in kept_groups]).mean(0).tolist()):
             stats[f"reward/channel{c}_mean"] = mean
+    if greedy:
+        stats["rollout/greedy_reward"] = sum(score for score, _ in kept_greedy) / len(kept_greedy)
     return RolloutBatch(
         group_ids=torch.tensor([grp[0] for grp in kept_groups for _ in range(G)]),
         prompts=[grp[1] for grp in kept_groups for _ in range(G)],
@@ -137,4 +152,17 @@ def collect(
         truncated=torch.cat([grp[8] for grp in kept_groups]),
         lengths=torch.cat([grp[7] for grp in kept_groups]),
         stats=stats,
+        greedy_rewards=torch.tensor([shaped for _, shaped in kept_greedy for _ in range(G)]) if greedy else None,
     )
+
+
+def _greedy_rewards(sample: SampleFn, rewards: RewardChannels, method: Method,
+                    drawn: list[tuple[int, Prompt]], params: SamplingParams) -> tuple[Tensor, Tensor]:
+    """Raw scores and shaped rewards [len(drawn)] of one greedy (argmax) completion per drawn prompt."""
+    greedy = sample([p for _, p in drawn], dataclasses.replace(params, n=1, temperature=0.0))
+    scored = rewards([drawn[s.prompt_index][1] for s in greedy], [s.text for s in greedy],
+                     prompt_index=[s.prompt_index for s in greedy])
+    scores = torch.tensor(scored.total, dtype=torch.float32)
+    lengths = torch.tensor([len(s.completion_token_ids) for s in greedy])
+    truncated = torch.tensor([s.finish_reason == "length" for s in greedy])
+    return scores, shape(method, scores, lengths, truncated, params.max_new_tokens)

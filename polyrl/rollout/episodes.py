@@ -63,13 +63,15 @@ class Episode:
     done: bool = False
     baseline_tokens: int = 0
     ref_logprobs: list[float] | None = None  # per completion token under the frozen reference (rollout workers)
+    sum_pi_sq: list[float] | None = None  # per completion token: sum_v pi_v^2 when the sampler records it (OTB)
 
     def to_sample(self, prompt_index: int, text: str) -> Sample:
         return Sample(prompt_index=prompt_index, prompt_token_ids=list(self.prompt_ids),
                       completion_token_ids=list(self.token_ids), logprobs=list(self.logprobs),
                       ref_logprobs=None if self.ref_logprobs is None else list(self.ref_logprobs),
                       finish_reason=self.finish_reason, text=text, loss_mask=list(self.loss_mask),
-                      turn_ids=list(self.turn_ids), baseline_tokens=self.baseline_tokens)
+                      turn_ids=list(self.turn_ids), baseline_tokens=self.baseline_tokens,
+                      sum_pi_sq=None if self.sum_pi_sq is None else list(self.sum_pi_sq))
 
 
 def prefix_episode(episode: Episode, length: int) -> Episode:
@@ -164,6 +166,8 @@ class EpisodeRunner:
         return episodes
 
     def _extend(self, e: Episode, s: Sample, cap: int) -> None:
+        if s.sum_pi_sq is not None:  # environment tokens before this turn hold 0 (they carry no loss)
+            e.sum_pi_sq = (e.sum_pi_sq or [0.0] * len(e.token_ids)) + s.sum_pi_sq
         e.token_ids += s.completion_token_ids
         e.logprobs += s.logprobs
         e.loss_mask += [1] * len(s.completion_token_ids)
@@ -185,6 +189,8 @@ class EpisodeRunner:
         env = env[: cap - len(e.token_ids)]  # the cap counts environment tokens too
         e.token_ids += env
         e.logprobs += [0.0] * len(env)
+        if e.sum_pi_sq is not None:
+            e.sum_pi_sq += [0.0] * len(env)
         e.loss_mask += [0] * len(env)
         e.turn_ids += [turn] * len(env)
         e.finish_reason = "length"  # until the next agent turn says otherwise

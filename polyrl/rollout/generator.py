@@ -33,6 +33,7 @@ class SamplingParams:
     top_k: int | None = None  # keep the k most probable tokens; None disables
     seed: int | None = None  # sampling seed; None = nondeterministic
     stop_token_ids: tuple[int, ...] = ()  # besides EOS, tokens that end a completion (a tool call's closer)
+    sum_pi_sq: bool = False  # also report sum_v pi_v^2 of each token's distribution (Sample.sum_pi_sq; OTB)
 
     def __post_init__(self) -> None:
         if self.n < 1:
@@ -62,6 +63,7 @@ class Sample:
     policy_version: int = 0  # optimizer steps the sampling weights had seen (asynchronous pipeline)
     baseline_tokens: int = 0  # tokens chosen by the agency-transfer baseline policy
     ref_logprobs: list[float] | None = None  # per completion token under the frozen reference (asynchronous pipeline)
+    sum_pi_sq: list[float] | None = None  # per completion token: sum_v pi_v^2 of the distribution it was drawn from
 
 
 class Generator(Protocol):

@@ -102,11 +102,12 @@ class HFGenerator:
             chunk_keys = keys[start : start + self.max_batch_size]
             uniforms = _uniforms(base, chunk_keys, TOKENS, params.max_new_tokens).to(device)
             coins = _uniforms(base, chunk_keys, COINS, params.max_new_tokens + 1).to(device)
-            tokens, logps, lengths, stopped, from_b = self._decode(chunk_ids, params, uniforms, coins, device)
+            tokens, logps, lengths, stopped, from_b, sq = self._decode(chunk_ids, params, uniforms, coins, device)
             completions = [row[:n] for row, n in zip(tokens.tolist(), lengths.tolist())]
             texts = self.tokenizer.batch_decode(completions, skip_special_tokens=True)
-            for (index, ids), completion, row_logps, stop, text, n_b in zip(
-                chunk, completions, logps.tolist(), stopped.tolist(), texts, from_b.tolist()
+            for (index, ids), completion, row_logps, stop, text, n_b, row_sq in zip(
+                chunk, completions, logps.tolist(), stopped.tolist(), texts, from_b.tolist(),
+                sq.tolist() if params.sum_pi_sq else [None] * len(chunk)
             ):
                 samples.append(
                     Sample(
@@ -117,6 +118,7 @@ class HFGenerator:
                         finish_reason="stop" if stop else "length",
                         text=text,
                         baseline_tokens=n_b,
+                        sum_pi_sq=None if row_sq is None else row_sq[: len(completion)],
                     )
                 )
         return samples
@@ -125,9 +127,10 @@ class HFGenerator:
     def _decode(
         self, prompt_ids: list[list[int]], params: SamplingParams, uniforms: Tensor, coins: Tensor,
         device: torch.device,
-    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
         """Decode one left-padded batch: tokens [N, S], log-probs [N, S], lengths [N], stopped [N],
-        baseline-chosen token counts [N].
+        baseline-chosen token counts [N], sum_v pi_v^2 of each step's distribution [N, S] (0 unless
+        ``params.sum_pi_sq``).
 
         ``uniforms`` [N, S]: each row's token draw per step; ``coins`` [N, S + 1]: its agency coins (column 0
         the sequence-mode coin, column 1 + t the token-mode coin of step t).
@@ -142,9 +145,12 @@ class HFGenerator:
         position_ids = (attention_mask.cumsum(dim=-1) - 1).clamp_min(0)
         eos_ids = torch.tensor(sorted({*self.eos_ids, *params.stop_token_ids}), device=device)
         arbiter = self.arbiter if self.arbiter is not None and self.arbiter.active else None
+        if arbiter is not None and params.sum_pi_sq:
+            raise ValueError("SamplingParams.sum_pi_sq is not recorded under agency transfer (a mixture policy)")
 
         tokens = torch.full((count, steps), self.pad_id, dtype=torch.long, device=device)
         logps = torch.zeros((count, steps), dtype=torch.float32, device=device)
+        sq = torch.zeros((count, steps), dtype=torch.float32, device=device)
         lengths = torch.zeros(count, dtype=torch.long, device=device)
         stopped = torch.zeros(count, dtype=torch.bool, device=device)
         rows = torch.arange(count, device=device)  # original row of each live batch row
@@ -157,7 +163,9 @@ class HFGenerator:
             base_logits = self._next_logits(input_ids, attention_mask, position_ids, base_cache, arbiter.baseline)
         for step in range(steps):
             if arbiter is None:
-                token, logp = _pick(logits, params, uniforms[rows, step])
+                token, logp, dist = _pick(logits, params, uniforms[rows, step])
+                if params.sum_pi_sq:  # sum_v pi_v^2 = exp(logsumexp(2 log pi)), of the distribution drawn from
+                    sq[rows, step] = dist.mul(2).logsumexp(dim=-1).exp()
             else:
                 token, logp = arbiter.pick(_processed(logits, params), _processed(base_logits, params),
                                            params.temperature == 0, uniforms[rows, step], coins[rows, step + 1], mix,
@@ -183,7 +191,7 @@ class HFGenerator:
                                                 arbiter.baseline)
             next_position = next_position + 1
         from_b = mix.baseline_tokens if arbiter is not None else torch.zeros(count, dtype=torch.long)
-        return tokens.cpu(), logps.cpu(), lengths.cpu(), stopped.cpu(), from_b.cpu()
+        return tokens.cpu(), logps.cpu(), lengths.cpu(), stopped.cpu(), from_b.cpu(), sq.cpu()
 
     def _next_logits(self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, cache,
                      model: nn.Module | None = None) -> Tensor:
@@ -236,9 +244,9 @@ def _uniforms(base: int, keys: list[int], stream: int, count: int) -> Tensor:
     return out
 
 
-def _pick(logits: Tensor, params: SamplingParams, u: Tensor) -> tuple[Tensor, Tensor]:
-    """Choose one token per row [n] (by inverse CDF with the rows' uniforms ``u`` [n]) and its log-prob [n]
-    under the distribution it came from.
+def _pick(logits: Tensor, params: SamplingParams, u: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Choose one token per row [n] (by inverse CDF with the rows' uniforms ``u`` [n]), its log-prob [n]
+    under the distribution it came from, and that distribution's log-probs [n, V].
 
     Greedy (temperature 0) reports the log-prob under the unprocessed distribution (temperature 1,
     no filters): the limit distribution at temperature 0 is one-hot and carries no information.
@@ -248,4 +256,4 @@ def _pick(logits: Tensor, params: SamplingParams, u: Tensor) -> tuple[Tensor, Te
         token = logits.argmax(dim=-1)
     else:
         token = draw_tokens(logprobs, u)
-    return token, logprobs.gather(-1, token[:, None]).squeeze(1)
+    return token, logprobs.gather(-1, token[:, None]).squeeze(1), logprobs

@@ -8,8 +8,9 @@ Ray's object store); the actor loads them only when they differ from the ones it
 therefore complete in itself: when Ray restarts a killed actor and re-issues the call, the new actor
 produces the same episodes (sampling randomness is keyed by row, see ``HFGenerator``).
 
-With ``reference=True`` the actor also scores every completion under the frozen starting model
-(``Episode.ref_logprobs``), taking that forward pass off the trainer's critical path.
+With ``reference=True`` the actor also scores every completion under the frozen starting model (or the
+distillation teacher in ``reference_dir``) (``Episode.ref_logprobs``), taking that forward pass off the trainer's
+critical path.
 
 The class imports no ray at module level; ``pool`` turns it into an actor with ``ray.remote``.
 """
@@ -40,6 +41,7 @@ class WorkerSpec:
     baseline_dir: str | None = None  # agency transfer: the frozen baseline's directory
     agency_mode: str = "token"
     reference: bool = False  # score every completion under the frozen starting model
+    reference_dir: str | None = None  # the frozen reference's directory when it is not model_dir (a teacher)
     logprob_kwargs: dict = field(default_factory=dict)  # micro_batch_size, temperature, top_p, top_k: as the trainer
 
 
@@ -74,7 +76,8 @@ class RolloutWorker:
             self.generator.arbiter = AgencyArbiter(baseline, lambda step: 0.0, mode=spec.agency_mode)
         self.reference = None
         if spec.reference:
-            self.reference = load_policy(spec.model_dir, dtype=spec.dtype, threads=spec.threads)[0]
+            self.reference = load_policy(spec.reference_dir or spec.model_dir, dtype=spec.dtype,
+                                         threads=spec.threads)[0]
             self.reference = self.reference.to(device).requires_grad_(False)
         self.logprob_kwargs = dict(fp32_head=spec.fp32_head, **spec.logprob_kwargs)
         self.runner = EpisodeRunner(self.generator, tokenizer, spec.task)
