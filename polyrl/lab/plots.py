@@ -13,8 +13,9 @@ PLOTS = ("performance", "dynamics", "zero_grad", "sigmoid")
 def _colors(methods: list[str]) -> dict[str, Any]:
     import matplotlib
 
-    cmap = matplotlib.colormaps["tab10"]
-    return {m: cmap(i % 10) for i, m in enumerate(methods)}
+    # tab10 up to ten methods; tab20 beyond, so that no two methods of one report share a colour (up to 20)
+    cmap, n = (matplotlib.colormaps["tab10"], 10) if len(methods) <= 10 else (matplotlib.colormaps["tab20"], 20)
+    return {m: cmap(i % n) for i, m in enumerate(methods)}
 
 
 def _band(ax, c: dict[str, Any] | None, color, label: str) -> bool:
