@@ -402,6 +402,17 @@ def build_parser(*, family: str | None = None) -> OneLineParser:
     p.add_argument("--ci", type=float, default=0.9, help="bootstrap confidence level over seeds")
     p.set_defaults(fn=cmd_compare, extra=[])
 
+    p = sub.add_parser("evidence", help="test the seed documents' claims and write docs/evidence.md")
+    p.add_argument("--claims", help="comma-separated claim ids (default: all; see --list)")
+    p.add_argument("--budget", choices=("quick", "full"), default="quick", help="quick smoke test or the full report")
+    p.add_argument("--workers", type=int, default=2, help="training runs in parallel")
+    p.add_argument("--out", help="output directory (default runs/evidence/<budget>)")
+    p.add_argument("--report-only", action="store_true", help="regenerate the reports from OUT/results.json alone")
+    p.add_argument("--write-docs", action=argparse.BooleanOptionalAction, default=None,
+                   help="write docs/evidence.md, docs/evidence/results.json and plots (default: with --budget full)")
+    p.add_argument("--list", action="store_true", help="print the claims and their budgets, run nothing")
+    p.set_defaults(fn=lambda a: __import__("polyrl.lab.evidence", fromlist=["cli_main"]).cli_main(a, console))
+
     p = sub.add_parser("warmstart", help="build and supervised-train the tiny model for a task (cached)")
     p.add_argument("--task", default="addition", help="task name")
     p.add_argument("--threshold", type=float, default=0.30, help="stop when held-out greedy accuracy crosses it")

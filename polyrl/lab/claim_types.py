@@ -1,0 +1,40 @@
+"""The evidence claim types (issue 22): Budget, Claim and Samples, shared by claims.py and claims_families.py."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+Samples = dict[str, Any]  # {"arms": {arm: {stat: [per-seed floats]}}, "curves": {...}, "wall_seconds": float}
+
+
+@dataclass(frozen=True)
+class Budget:
+    """How much one claim's experiment runs: seeds per arm and steps (or the family's unit) per run."""
+
+    seeds: int
+    steps: int
+
+    def __post_init__(self):
+        if self.seeds < 1 or self.steps < 1:
+            raise ValueError(f"budget = {self}: seeds and steps must be >= 1")
+
+
+@dataclass(frozen=True)
+class Claim:
+    """One seed-document claim, the experiment that tests it and the rule that decides it."""
+
+    id: str
+    title: str
+    seed_text: str
+    seed_source: str
+    corrected: str
+    setup: str
+    quick: Budget
+    full: Budget
+    run: Callable[[Budget, Path, int], Samples]
+    decide: Callable[[Samples], Any]
+    limits: str
+    stability: bool = False  # a claim about stability/collapse: the full budget must have >= 5 seeds per arm
