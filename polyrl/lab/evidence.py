@@ -162,6 +162,8 @@ def render_html(results: dict[str, Any], registry: dict[str, Claim], plots: dict
 def write_reports(results: dict[str, Any], registry: dict[str, Claim], out: Path, *, docs: Path | None = None) -> None:
     """Plots + evidence.md + evidence.html under OUT (and, with ``docs``, docs/evidence.md + docs/evidence/)."""
     out = Path(out)
+    # Render what results.json will hold (keys sorted), so that the document is a function of the file alone.
+    results = json.loads(json.dumps(results, sort_keys=True, default=float))
     img = (docs / "evidence") if docs is not None else out / "evidence"
     plots = {cid: plot_claim(cid, c["samples"], img / f"{cid}.png") for cid, c in results["claims"].items()}
     md = render_markdown(results, registry)
