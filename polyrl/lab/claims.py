@@ -8,6 +8,8 @@ flags and the steps, so two claims that use the same arm with the same settings 
 from __future__ import annotations
 
 import hashlib
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -89,6 +91,10 @@ def lm_arms(out: Path, budget: Budget, workers: int, arms: dict[str, tuple[str, 
     for label, (preset, flags) in arms.items():
         specs += plan_runs([keys[label]], seeds, root, shared, {keys[label]: flags}, None, workers,
                            presets={keys[label]: preset})
+    if specs and "--model" not in shared:  # the task's warm start, built once before the runs (as `polyrl compare`)
+        task = shared[shared.index("--task") + 1] if "--task" in shared else "addition"
+        subprocess.run([sys.executable, "-m", "polyrl", "warmstart", "--task", task], check=True,
+                       stdout=subprocess.DEVNULL)
     if specs:
         failed = [s.name for s, code, _ in run_all(specs, workers=workers, console=Console(stderr=True)) if code]
         if failed:
