@@ -7,7 +7,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint docs clean
+.PHONY: demo test lint docs clean trl-venv bench-trl
 
 # Run $(2) with a line every 10 s while it works: pip is silent while it unpacks wheels, and a piped log
 # (CI, `make demo > log`) should never look stalled.
@@ -34,5 +34,18 @@ lint: $(STAMP)
 docs: $(STAMP)
 	$(BIN)/polyrl docs --write docs/methods.md
 
+# TRL in its own virtualenv, pinned, for benchmarks/vs_trl.py (polyrl does not depend on TRL).
+TRL_VENV := .venv-trl
+$(TRL_VENV)/.installed: constraints.txt
+	test -x $(TRL_VENV)/bin/python || $(PY) -m venv $(TRL_VENV)
+	$(call beat,TRL,$(TRL_VENV)/bin/python -m pip install -q torch==2.13.0 && $(TRL_VENV)/bin/python -m pip install -q -c constraints.txt trl==1.16.0)
+	touch $(TRL_VENV)/.installed
+
+trl-venv: $(TRL_VENV)/.installed
+
+# polyrl vs TRL at the demo settings (see benchmarks/vs_trl.py for scaling, accuracy and memory).
+bench-trl: $(STAMP) trl-venv
+	$(BIN)/python benchmarks/vs_trl.py demo
+
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) $(TRL_VENV) runs .pytest_cache

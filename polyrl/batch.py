@@ -92,7 +92,7 @@ def segment_ids(completion_ids: Tensor, completion_mask: Tensor, boundaries: fro
 
 def logprobs_nograd(model: nn.Module, batch: TokenBatch, *, micro_batch_size: int, fp32_head: bool = False,
                     topk: int = 0, temperature: float = 1.0, top_p: float | None = None,
-                    top_k: int | None = None) -> TokenLogprobs:
+                    top_k: int | None = None, share_prompts: bool = False) -> TokenLogprobs:
     """Completion log-probs (entropy, top-K) of ``batch`` under ``model``, without gradient, micro-batched."""
     was_training = model.training
     model.eval()
@@ -102,7 +102,7 @@ def logprobs_nograd(model: nn.Module, batch: TokenBatch, *, micro_batch_size: in
             rows = batch.rows(slice(i, i + micro_batch_size))
             parts.append(completion_logprobs(model, rows.input_ids, rows.attention_mask, rows.completion_mask,
                                              fp32_head=fp32_head, topk=topk, temperature=temperature, top_p=top_p,
-                                             top_k=top_k))
+                                             top_k=top_k, share_prompts=share_prompts))
     model.train(was_training)
 
     def cat(name: str) -> Tensor | None:

@@ -460,7 +460,8 @@ def _learner(cfg: TrainConfig, method, policy, reference, critic, adapters, *, s
         top_k=cfg.sampling.top_k,
         fp32_head=cfg.fp32_lm_head, micro_batch_size=cfg.micro_batch_size, reference=reference,
         ref_sync_every=method.ref_sync_every, critic=critic, critic_lr=cfg.critic.lr,
-        value_clip=cfg.critic.value_clip, value_loss_agg=cfg.critic.value_loss_agg)
+        value_clip=cfg.critic.value_clip, value_loss_agg=cfg.critic.value_loss_agg,
+        share_prompts=cfg.speed.share_prompts, fused_adam=cfg.speed.fused_adam)
 
 
 def _group_source(cfg: TrainConfig, runner, rewards, sampling):

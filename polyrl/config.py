@@ -34,7 +34,7 @@ from polyrl.distill import DistillConfig
 from polyrl.drift import DriftConfig
 from polyrl.guard import GuardConfig
 from polyrl.launch import ScaleConfig
-from polyrl.learner.config import CriticConfig, LoraConfig
+from polyrl.learner.config import CriticConfig, LoraConfig, SpeedConfig
 from polyrl.logconfig import EvalConfig, LogConfig
 from polyrl.rollout.agency.config import AgencyConfig
 from polyrl.rollout.engine_config import EngineConfig, SamplingConfig
@@ -110,6 +110,8 @@ class TrainConfig:
     """LoRA adapters through PEFT: flags --lora-*, TOML table [lora]"""
     engine: EngineConfig = field(default_factory=EngineConfig)
     """the generation engine: flags --generator, --vllm-*, TOML table [vllm]"""
+    speed: SpeedConfig = field(default_factory=SpeedConfig)
+    """the learner's speed switches (same results): --[no-]share-prompts, --[no-]fused-adam, TOML table [speed]"""
     eval: EvalConfig = field(default_factory=EvalConfig)
     """held-out evaluation: --eval-every, --eval-prompts, TOML table [eval]"""
     checkpoint_every: int = 50

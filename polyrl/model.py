@@ -26,6 +26,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+from polyrl.shared_prompt import distinct_prompts, shared_prompt_states
+
 DType = Literal["float32", "bfloat16", "float16", "float64"]
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -180,6 +182,7 @@ def completion_logprobs(
     fp32_head: bool = False,
     topk: int = 0,
     topk_ids: Tensor | None = None,
+    share_prompts: bool = False,
 ) -> TokenLogprobs:
     """Compute log-probs [B, T] (and entropy, top-K) of the completion tokens, chunk by chunk.
 
@@ -194,7 +197,8 @@ def completion_logprobs(
     1..K-1 the K-1 most probable other tokens of this model's processed distribution. Passing
     ``topk_ids`` [B, T, K] instead evaluates the log-probs at those ids (the rollout policy's
     support, for DPPO-style trust regions). ``fp32_head``: see ``head_logits``; logits are always
-    upcast to at least float32 per chunk.
+    upcast to at least float32 per chunk. ``share_prompts``: run each distinct prompt once when rows share one
+    (``polyrl.shared_prompt``; the same outputs and gradients up to float rounding).
     Gradients flow to every model parameter through ``logp``, ``entropy`` and ``topk_logp``.
     """
     if input_ids.dim() != 2 or attention_mask.shape != input_ids.shape:
@@ -219,11 +223,15 @@ def completion_logprobs(
         raise ValueError(f"topk={topk} exceeds the vocabulary size {head.out_features}")
 
     position_ids = (attention_mask.long().cumsum(dim=-1) - 1).clamp_min(0)
-    hidden = model.base_model(
-        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
-    ).last_hidden_state  # [B, L, H]
+    shared = distinct_prompts(input_ids, attention_mask, width) if share_prompts else None
+    if shared is not None:
+        hidden = shared_prompt_states(model, input_ids, attention_mask, position_ids, width, *shared)  # [B, T, H]
+    else:
+        hidden = model.base_model(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+        ).last_hidden_state[:, length - width - 1 : length - 1]  # [B, T, H]; position i predicts token i+1
     selected = completion_mask.bool()  # [B, T]
-    states = hidden[:, length - width - 1 : length - 1][selected]  # [N, H]; position i predicts token i+1
+    states = hidden[selected]  # [N, H]
     targets = input_ids[:, length - width :][selected]  # [N]
     given_ids = topk_ids[selected] if topk_ids is not None else None  # [N, K]
 

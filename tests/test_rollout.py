@@ -11,7 +11,7 @@ import torch
 
 from polyrl.model import completion_logprobs, load_policy
 from polyrl.rollout import HFGenerator, SamplingParams
-from polyrl.rollout.hf import _cache_keyword
+from polyrl.shared_prompt import cache_keyword
 from polyrl.tasks import TASKS, AdditionTask, Prompt, get_task
 from polyrl.tinylm import build_tiny_llama
 
@@ -170,7 +170,7 @@ def test_cache_keyword_follows_the_model_signature():
     class Older:
         def forward(self, input_ids, *, past_key_values=None, use_cache=None): ...
 
-    assert (_cache_keyword(Current), _cache_keyword(Older)) == ("cache", "past_key_values")
+    assert (cache_keyword(Current), cache_keyword(Older)) == ("cache", "past_key_values")
 
 
 def test_sampling_params_validation():

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import hashlib
 import json
 import math
 import time
@@ -27,6 +28,10 @@ def decision_dict(decision: Any) -> dict[str, Any]:
     return json.loads(json.dumps(dataclasses.asdict(decision), default=float))
 
 
+def _fingerprint(claim: Claim) -> str:
+    return hashlib.sha1(claim.setup.encode()).hexdigest()[:12]
+
+
 def run_evidence(ids: list[str], budget: str | Budget, *, workers: int, out: Path, registry: dict[str, Claim],
                  progress=None) -> dict[str, Any]:
     """Run each claim (skipping saved samples), decide it, write OUT/results.json; return the results dict."""
@@ -44,11 +49,16 @@ def run_evidence(ids: list[str], budget: str | Budget, *, workers: int, out: Pat
         cdir.mkdir(parents=True, exist_ok=True)
         spath = cdir / "samples.json"
         t0 = time.perf_counter()
-        if spath.exists() and json.loads(spath.read_text()).get("budget") == dataclasses.asdict(b):
-            samples = json.loads(spath.read_text())["samples"]
+        saved = json.loads(spath.read_text()) if spath.exists() else {}
+        # Saved samples are reused for the same budget and the same experiment (the setup text names the arms'
+        # flags); samples saved before the fingerprint existed carry none and are reused on the budget alone.
+        if saved.get("budget") == dataclasses.asdict(b) and saved.get("setup", _fingerprint(claim)) == \
+                _fingerprint(claim):
+            samples = saved["samples"]
         else:
             samples = claim.run(b, cdir, workers)
-            spath.write_text(json.dumps({"budget": dataclasses.asdict(b), "samples": samples}, indent=1, default=float))
+            spath.write_text(json.dumps({"budget": dataclasses.asdict(b), "setup": _fingerprint(claim),
+                                         "samples": samples}, indent=1, default=float))
         decision = claim.decide(samples)
         results["claims"][cid] = {"samples": samples, "decision": decision_dict(decision),
                                   "budget": dataclasses.asdict(b),
@@ -125,7 +135,7 @@ def plot_claim(cid: str, samples: dict[str, Any], path: Path) -> Path:
             if cv.get("lo") and cv.get("hi"):
                 ax.fill_between(cv["x"], cv["lo"], cv["hi"], alpha=0.2)
             ax.set_ylabel(cv.get("label", ""))
-        ax.set_xlabel("step")
+        ax.set_xlabel(next((cv["xlabel"] for cv in curves.values() if cv.get("xlabel")), "step"))
     else:
         for i, (arm, a) in enumerate(samples.get("arms", {}).items()):
             stat = next((k for k, v in a.items() if k != "seeds" and isinstance(v, list)), None)
@@ -197,6 +207,14 @@ def cli_main(args: Any, console: Any) -> int:
         console.print(table)
         return 0
     out = Path(args.out or f"runs/evidence/{args.budget}")
+    write_docs = args.write_docs if args.write_docs is not None else args.budget == "full"
+    docs_results = Path("docs") / "evidence" / "results.json"
+    if write_docs and not (out / "results.json").exists() and docs_results.exists() \
+            and json.loads(docs_results.read_text()).get("budget") == args.budget:
+        # A fresh OUT (e.g. a new checkout): start from the committed results, so that running some claims
+        # updates theirs and keeps every other claim's in docs/evidence/results.json.
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "results.json").write_text(docs_results.read_text())
     if args.report_only:
         if not (out / "results.json").exists():
             raise ConfigError(f"out = {out}: no results.json to report from; run without --report-only first")
@@ -213,7 +231,6 @@ def cli_main(args: Any, console: Any) -> int:
 
             results = run_evidence(ids, args.budget, workers=args.workers, out=out, registry=CLAIMS,
                                    progress=progress)
-    write_docs = args.write_docs if args.write_docs is not None else args.budget == "full"
     write_reports(results, CLAIMS, out, docs=Path("docs") if write_docs else None)
     console.print(f"wrote {out / 'evidence.md'} and {out / 'evidence.html'}" + (" and docs/evidence.md" if write_docs
                                                                                   else ""))

@@ -17,19 +17,25 @@ from torch import Tensor, nn
 from polyrl.batch import TokenBatch, sample_ref_logp
 
 
-def make_optimizer(params: Iterable[nn.Parameter], *, lr: float, weight_decay: float,
-                   warmup_steps: int) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
-    """AdamW with a linear warm-up over ``warmup_steps`` optimizer steps (none: constant)."""
-    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+def make_optimizer(params: Iterable[nn.Parameter], *, lr: float, weight_decay: float, warmup_steps: int,
+                   fused: bool = False) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
+    """AdamW with a linear warm-up over ``warmup_steps`` optimizer steps (none: constant).
+
+    ``fused``: torch's fused AdamW kernel (CPU and CUDA, float32/bfloat16 parameters), the same update as the loop
+    over parameters up to float rounding; False keeps torch's default implementation.
+    """
+    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, **({"fused": True} if fused else {}))
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: min(1.0, (s + 1) / (warmup_steps + 1)) if warmup_steps else 1.0
     )
     return optimizer, scheduler
 
 
-def sampling_settings(temperature: float, top_p: float, top_k: int) -> dict[str, Any]:
-    """Keyword arguments of ``completion_logprobs`` for the sampling distribution (1.0 and 0 disable filters)."""
-    return dict(temperature=temperature, top_p=top_p if top_p < 1 else None, top_k=top_k or None)
+def sampling_settings(temperature: float, top_p: float, top_k: int, share_prompts: bool = False) -> dict[str, Any]:
+    """Keyword arguments of ``completion_logprobs``: the sampling distribution (1.0 and 0 disable filters), and
+    whether rows that share a prompt run it once (``polyrl.shared_prompt``)."""
+    return dict(temperature=temperature, top_p=top_p if top_p < 1 else None, top_k=top_k or None,
+                share_prompts=share_prompts)
 
 
 def clip_and_step(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, max_grad_norm: float) -> float:

@@ -1,4 +1,6 @@
-"""The critic's settings (GAE presets): `--critic-lr`, `--value-clip`, `--value-loss-agg`, TOML `[critic]`."""
+"""The learner's settings: the critic's (GAE presets: `--critic-lr`, `--value-clip`, `--value-loss-agg`, TOML
+`[critic]`), LoRA's (`--lora-*`, `[lora]`) and the speed switches (`--[no-]share-prompts`, `--[no-]fused-adam`,
+`[speed]`)."""
 
 from __future__ import annotations
 
@@ -35,3 +37,16 @@ class LoraConfig:
     """modules that get adapters: all-linear (every linear layer but the LM head) or comma-separated module names"""
     dropout: float = 0.0
     """dropout on the adapters' input (0 keeps rollout and training log-probs identical)"""
+
+
+@dataclass
+class SpeedConfig:
+    """How the learner computes the same update faster. Each switch keeps the losses and gradients of the plain path
+    (up to float rounding; a test per switch), so turning one off only costs time."""
+
+    PREFIX: ClassVar[str] = "speed"
+
+    share_prompts: bool = field(default=True, metadata={"flag": "share_prompts"})
+    """run each distinct prompt of a micro-batch once and its group's completions on top of its KV cache"""
+    fused_adam: bool = field(default=True, metadata={"flag": "fused_adam"})
+    """AdamW's fused kernel (one pass over all parameters) instead of a loop over them"""

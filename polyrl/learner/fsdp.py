@@ -106,7 +106,7 @@ class FSDPLearner:
                  temperature: float, top_p: float, top_k: int, fp32_head: bool, micro_batch_size: int,
                  reference: nn.Module | None = None, ref_sync_every: int = 0, critic: nn.Module | None = None,
                  critic_lr: float = 1e-4, value_clip: float = 0.5, value_loss_agg: str = "token_mean",
-                 mesh: DeviceMesh | None = None):
+                 mesh: DeviceMesh | None = None, share_prompts: bool = False, fused_adam: bool = False):
         if not dist.is_initialized():
             raise RuntimeError("FSDPLearner needs a process group: call polyrl.learner.dist.init_from_env() first")
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
@@ -119,9 +119,9 @@ class FSDPLearner:
         self.value_clip, self.value_loss_agg = value_clip, value_loss_agg
         self.critic_opt = torch.optim.AdamW(self.critic.parameters(), lr=critic_lr) if critic is not None else None
         self.optimizer, self.scheduler = make_optimizer(self.model.parameters(), lr=lr, weight_decay=weight_decay,
-                                                        warmup_steps=warmup_steps)
+                                                        warmup_steps=warmup_steps, fused=fused_adam)
         self.max_grad_norm = max_grad_norm
-        self.sampling = sampling_settings(temperature, top_p, top_k)
+        self.sampling = sampling_settings(temperature, top_p, top_k, share_prompts)
         self.fp32_head = fp32_head
         self.micro_batch_size = micro_batch_size
 

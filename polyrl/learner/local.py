@@ -169,6 +169,8 @@ class LocalLearner:
         value_clip: float = 0.5,
         value_loss_agg: str = "token_mean",
         adapters: Any | None = None,
+        share_prompts: bool = False,
+        fused_adam: bool = False,
     ):
         self.model = model
         self.adapters = adapters  # LoRA: the PEFT model; only its adapters train and the checkpoint holds them alone
@@ -176,9 +178,9 @@ class LocalLearner:
         self.critic, self.value_clip, self.value_loss_agg = critic, value_clip, value_loss_agg
         self.critic_opt = torch.optim.AdamW(critic.parameters(), lr=critic_lr) if critic is not None else None
         self.optimizer, self.scheduler = make_optimizer(trainable_parameters(model), lr=lr, weight_decay=weight_decay,
-                                                        warmup_steps=warmup_steps)
+                                                        warmup_steps=warmup_steps, fused=fused_adam)
         self.max_grad_norm = max_grad_norm
-        self.sampling = sampling_settings(temperature, top_p, top_k)
+        self.sampling = sampling_settings(temperature, top_p, top_k, share_prompts)
         self.fp32_head = fp32_head
         self.micro_batch_size = micro_batch_size
 

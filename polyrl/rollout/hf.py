@@ -29,8 +29,6 @@ log-prob is the mixture's (``rollout/agency/arbiter.py``).
 
 from __future__ import annotations
 
-import functools
-import inspect
 import secrets
 
 import numpy as np
@@ -41,6 +39,7 @@ from transformers import DynamicCache
 from polyrl.model import head_logits, linear_head, logit_softcap, process_logits
 from polyrl.rollout.agency.arbiter import AgencyArbiter
 from polyrl.rollout.generator import Sample, SamplingParams, draw_tokens
+from polyrl.shared_prompt import cache_keyword, distinct_prompts
 from polyrl.tasks.chat import prompt_ids as encode_prompts
 
 TOKENS, COINS = 0, 1  # the two random streams of a row
@@ -155,12 +154,13 @@ class HFGenerator:
         stopped = torch.zeros(count, dtype=torch.bool, device=device)
         rows = torch.arange(count, device=device)  # original row of each live batch row
         next_position = position_ids[:, -1] + 1  # [n]
+        shared = distinct_prompts(input_ids, attention_mask, 0)  # a group's rows share one prefill
         cache = DynamicCache(config=self.model.config)
-        logits = self._next_logits(input_ids, attention_mask, position_ids, cache)
+        logits = self._prefill(input_ids, attention_mask, position_ids, cache, shared)
         if arbiter is not None:
             mix = arbiter.start(coins[:, 0])
             base_cache = DynamicCache(config=arbiter.baseline.config)
-            base_logits = self._next_logits(input_ids, attention_mask, position_ids, base_cache, arbiter.baseline)
+            base_logits = self._prefill(input_ids, attention_mask, position_ids, base_cache, shared, arbiter.baseline)
         for step in range(steps):
             if arbiter is None:
                 token, logp, dist = _pick(logits, params, uniforms[rows, step])
@@ -193,6 +193,18 @@ class HFGenerator:
         from_b = mix.baseline_tokens if arbiter is not None else torch.zeros(count, dtype=torch.long)
         return tokens.cpu(), logps.cpu(), lengths.cpu(), stopped.cpu(), from_b.cpu(), sq.cpu()
 
+    def _prefill(self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, cache,
+                 shared: tuple[Tensor, Tensor] | None, model: nn.Module | None = None) -> Tensor:
+        """Run the prompts into ``cache``; logits [N, V] of their last token. ``shared`` = (first row of each distinct
+        prompt, each row's prompt) from ``distinct_prompts``: each distinct prompt runs once and the cache is then
+        gathered out to the rows (a group's G copies of one prompt cost one prefill)."""
+        if shared is None:
+            return self._next_logits(input_ids, attention_mask, position_ids, cache, model)
+        first, inverse = shared
+        logits = self._next_logits(input_ids[first], attention_mask[first], position_ids[first], cache, model)
+        cache.reorder_cache(inverse)
+        return logits[inverse]
+
     def _next_logits(self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, cache,
                      model: nn.Module | None = None) -> Tensor:
         """Run a base model on new tokens (extending the cache); float32 logits [n, V] of the last one."""
@@ -202,23 +214,13 @@ class HFGenerator:
             attention_mask=attention_mask,
             position_ids=position_ids,
             use_cache=True,
-            **{_cache_keyword(type(model.base_model)): cache},
+            **{cache_keyword(type(model.base_model)): cache},
         ).last_hidden_state[:, -1]
         if model is self.model:
             head, softcap = self.head, self.softcap
         else:
             head, softcap = linear_head(model), logit_softcap(model)
         return head_logits(hidden, head, fp32_head=self.fp32_head, softcap=softcap)
-
-
-@functools.cache
-def _cache_keyword(model_class: type) -> str:
-    """The name under which ``model_class.forward`` takes the KV cache.
-
-    Recent transformers call it ``cache`` and warn (FutureWarning) on every call that passes the deprecated
-    ``past_key_values``; older releases, which the package's range still allows, know only ``past_key_values``.
-    """
-    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
 
 
 def _processed(logits: Tensor, params: SamplingParams) -> Tensor:

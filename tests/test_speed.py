@@ -1,0 +1,134 @@
+"""Every speed switch computes what the plain path computes (issue 23): shared prompts in the training forward and in
+the sampler's prefill, and the fused AdamW kernel. Float64 models show the arithmetic is the same (log-probs and
+loss to 1e-9, gradients to 1e-6 of their largest entry: transformers' RMSNorm computes in float32 even in a float64
+model, so a gradient summed in another order differs at float32's rounding); float32 shows the rounding stays within
+1e-6 of the loss and 1e-5 of the gradients' size."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from polyrl import shared_prompt
+from polyrl.learner.common import make_optimizer
+from polyrl.model import completion_logprobs, load_policy
+from polyrl.rollout.generator import SamplingParams
+from polyrl.rollout.hf import HFGenerator
+from polyrl.shared_prompt import distinct_prompts
+from polyrl.tinyhf import ARCHITECTURES, build_tiny, train_bpe_tokenizer
+
+PROMPTS = ["7+5=", "48+95=", "The answer to 123+456 is"]  # different lengths: the shared block has left padding
+ARCHS = [pytest.param(a, marks=[] if a in ARCHITECTURES else pytest.mark.skip(reason=f"transformers lacks {a}"))
+         for a in ("llama", "qwen2", "gemma2", "gemma3_text", "phi3", "gpt2", "olmo2")]
+
+
+@pytest.fixture(scope="module")
+def bpe():
+    return train_bpe_tokenizer()
+
+
+def _batch(generator: HFGenerator, n: int = 3):
+    """Rows as the trainer lays them out: left-padded prompts, then right-padded completions of varied lengths."""
+    from polyrl.batch import TokenBatch
+
+    samples = generator.generate(PROMPTS, SamplingParams(n=n, max_new_tokens=7, temperature=1.0, seed=1))
+    return TokenBatch.from_samples(samples, generator.pad_id)
+
+
+def _scores_and_grads(model, tb, share: bool, topk: int = 3):
+    model.zero_grad(set_to_none=True)
+    out = completion_logprobs(model, tb.input_ids, tb.attention_mask, tb.completion_mask, topk=topk,
+                              share_prompts=share)
+    weights = torch.linspace(-1.0, 2.0, out.logp.numel(), dtype=out.logp.dtype).reshape(out.logp.shape)
+    loss = (weights * out.logp).sum() / tb.completion_mask.sum() - 0.1 * out.entropy.mean() \
+        + 0.01 * out.topk_logp.mean()
+    loss.backward()
+    grads = {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
+    return loss.detach(), out, grads
+
+
+def test_distinct_prompts_groups_rows_by_their_prompt_block():
+    ids = torch.tensor([[0, 5, 6, 9], [0, 5, 6, 8], [4, 5, 6, 9], [0, 5, 6, 7]])
+    mask = torch.tensor([[0, 1, 1, 1], [0, 1, 1, 1], [1, 1, 1, 1], [1, 1, 1, 1]])
+    first, inverse = distinct_prompts(ids, mask, width=1)
+    # rows 0 and 1 share "5 6" after one pad; row 2 is "4 5 6"; row 3 is "0 5 6" unpadded (pad id 0 != token 0)
+    assert inverse[0] == inverse[1] and len({inverse[0].item(), inverse[2].item(), inverse[3].item()}) == 3
+    assert sorted(first.tolist()) == [0, 2, 3]
+    assert distinct_prompts(ids[[0, 2, 3]], mask[[0, 2, 3]], width=1) is None  # nothing shared: the plain path
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_shared_prompts_give_the_plain_forward_log_probs_and_gradients(arch, bpe, tmp_path):
+    model_dir = build_tiny(arch, tmp_path / "m", tokenizer=bpe)
+    model, tok = load_policy(model_dir, threads=1)
+    tb = _batch(HFGenerator(model, tok))
+    assert distinct_prompts(tb.input_ids, tb.attention_mask, tb.completion_mask.shape[1]) is not None
+    if arch == "gemma2":  # its float64 forward is NaN in transformers itself: checked in float32, to its rounding
+        _check_float32(model.eval(), tb)
+        return
+    model = model.double().eval()  # eval: GPT-2's dropout would make two forwards differ
+    plain_loss, plain, plain_grads = _scores_and_grads(model, tb, share=False)
+    loss, out, grads = _scores_and_grads(model, tb, share=True)
+    assert abs(loss - plain_loss) < 1e-9
+    for name in ("logp", "entropy", "topk_logp"):
+        torch.testing.assert_close(getattr(out, name), getattr(plain, name), atol=1e-9, rtol=0)
+    assert torch.equal(out.topk_ids, plain.topk_ids)
+    assert grads.keys() == plain_grads.keys()
+    for name, g in grads.items():  # RMSNorm runs in float32 even in a float64 model (transformers upcasts to 32)
+        scale = float(plain_grads[name].abs().max())
+        torch.testing.assert_close(g, plain_grads[name], atol=1e-6 * scale, rtol=0, msg=name)
+
+
+def test_shared_prompts_in_float32_stay_within_rounding(bpe, tmp_path):
+    model, tok = load_policy(build_tiny("llama", tmp_path / "m", tokenizer=bpe), threads=1)
+    _check_float32(model.train(), _batch(HFGenerator(model, tok), n=4))
+
+
+def _check_float32(model, tb):
+    plain_loss, _, plain_grads = _scores_and_grads(model, tb, share=False)
+    loss, _, grads = _scores_and_grads(model, tb, share=True)
+    assert abs(loss - plain_loss) < 1e-6
+    for name, g in grads.items():
+        scale = plain_grads[name].abs().max().clamp_min(1e-3)
+        assert (g - plain_grads[name]).abs().max() / scale < 1e-5, name
+
+
+def test_the_sampler_prefills_each_distinct_prompt_once_with_the_same_rollouts(bpe, tmp_path, monkeypatch):
+    model, tok = load_policy(build_tiny("llama", tmp_path / "m", tokenizer=bpe), threads=1)
+    generator = HFGenerator(model, tok)
+    params = SamplingParams(n=4, max_new_tokens=8, temperature=1.0, seed=5)
+    calls = []
+    real = shared_prompt.distinct_prompts
+
+    def spy(*a, **k):
+        calls.append(out := real(*a, **k))
+        return out
+
+    monkeypatch.setattr("polyrl.rollout.hf.distinct_prompts", spy)
+    shared = generator.generate(PROMPTS, params)
+    assert calls and calls[0] is not None and len(calls[0][0]) == len(PROMPTS)  # 3 prefills for 12 rows
+    monkeypatch.setattr("polyrl.rollout.hf.distinct_prompts", lambda *a, **k: None)
+    plain = generator.generate(PROMPTS, params)
+    for a, b in zip(shared, plain):
+        assert a.completion_token_ids == b.completion_token_ids
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-6, rtol=0)
+
+
+def test_fused_adamw_takes_the_loop_implementations_steps():
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+    twin = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+    twin.load_state_dict(net.state_dict())
+    (opt, _), (fused, _) = (make_optimizer(m.parameters(), lr=1e-2, weight_decay=0.1, warmup_steps=0, fused=f)
+                            for m, f in ((net, False), (twin, True)))
+    assert fused.defaults["fused"] and not opt.defaults.get("fused")
+    start = net[0].weight.detach().clone()
+    x = torch.randn(64, 16)
+    for _ in range(5):
+        for model, optimizer in ((net, opt), (twin, fused)):
+            optimizer.zero_grad()
+            model(x).pow(2).mean().backward()
+            optimizer.step()
+    moved = max((a - b).abs().max() for a, b in zip(net.parameters(), twin.parameters()))
+    assert moved < 1e-6
+    assert (net[0].weight - start).abs().max() > 1e-3  # the steps did move the weights
