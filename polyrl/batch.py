@@ -39,30 +39,28 @@ class TokenBatch:
 
     @staticmethod
     def from_samples(samples: list[Sample], pad_id: int) -> TokenBatch:
-        B = len(samples)
         P = max(len(s.prompt_token_ids) for s in samples)
         T = max(1, max(len(s.completion_token_ids) for s in samples))
-        ids = torch.full((B, P + T), pad_id, dtype=torch.long)
-        attn = torch.zeros((B, P + T), dtype=torch.long)
-        comp = torch.zeros((B, T), dtype=torch.float32)
-        logp = torch.zeros((B, T), dtype=torch.float32)
-        loss_mask = torch.zeros((B, T), dtype=torch.float32)
-        turns = torch.zeros((B, T), dtype=torch.long)
-        sq = torch.zeros((B, T), dtype=torch.float32) if all(s.sum_pi_sq is not None for s in samples) else None
-        for i, s in enumerate(samples):
+        # Padded Python lists first, one tensor each at the end (a torch.tensor call per row and field costs more).
+        ids, attn, comp, logp, loss_mask, turns = [], [], [], [], [], []
+        with_sq = all(s.sum_pi_sq is not None for s in samples)
+        sq = []
+        for s in samples:
             p, c = len(s.prompt_token_ids), len(s.completion_token_ids)
-            ids[i, P - p:P] = torch.tensor(s.prompt_token_ids)
-            attn[i, P - p:P + c] = 1
-            if c:
-                ids[i, P:P + c] = torch.tensor(s.completion_token_ids)
-                comp[i, :c] = 1.0
-                logp[i, :c] = torch.tensor(s.logprobs)
-                loss_mask[i, :c] = 1.0 if s.loss_mask is None else torch.tensor(s.loss_mask, dtype=torch.float32)
-                if s.turn_ids is not None:
-                    turns[i, :c] = torch.tensor(s.turn_ids)
-                if sq is not None:
-                    sq[i, :c] = torch.tensor(s.sum_pi_sq, dtype=torch.float32)
-        return TokenBatch(ids, attn, comp, logp, loss_mask, turns, sq)
+            right = [0] * (T - c)
+            ids.append([pad_id] * (P - p) + [*s.prompt_token_ids, *s.completion_token_ids] + [pad_id] * (T - c))
+            attn.append([0] * (P - p) + [1] * (p + c) + right)
+            comp.append([1] * c + right)
+            logp.append(list(s.logprobs[:c]) + right)
+            loss_mask.append((list(s.loss_mask) if s.loss_mask is not None else [1] * c) + right)
+            turns.append((list(s.turn_ids) if s.turn_ids is not None else [0] * c) + right)
+            if with_sq:
+                sq.append(list(s.sum_pi_sq) + right)
+        f32 = torch.float32
+        return TokenBatch(torch.tensor(ids, dtype=torch.long), torch.tensor(attn, dtype=torch.long),
+                          torch.tensor(comp, dtype=f32), torch.tensor(logp, dtype=f32),
+                          torch.tensor(loss_mask, dtype=f32), torch.tensor(turns, dtype=torch.long),
+                          torch.tensor(sq, dtype=f32) if with_sq else None)
 
 
 SEGMENT_END = ".,;:!?\n"

@@ -89,7 +89,7 @@ class TrainConfig:
     minibatches: int = 1
     """optimizer steps per epoch (the batch is split into this many minibatches)"""
     micro_batch_size: int = 64
-    """sequences per forward/backward pass (gradient accumulation inside a minibatch)"""
+    """sequences per forward/backward pass (gradient accumulation inside a minibatch); see also micro_batch_tokens"""
     max_gen_rounds: int = 4
     """dynamic sampling: generation rounds per step at most when filters drop groups"""
     train_prompts: int = 0

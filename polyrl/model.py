@@ -227,9 +227,10 @@ def completion_logprobs(
     if shared is not None:
         hidden = shared_prompt_states(model, input_ids, attention_mask, position_ids, width, *shared)  # [B, T, H]
     else:
-        hidden = model.base_model(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
-        ).last_hidden_state[:, length - width - 1 : length - 1]  # [B, T, H]; position i predicts token i+1
+        hidden = model.base_model(  # the last column predicts nothing and nothing scored attends to it: not run
+            input_ids=input_ids[:, :-1], attention_mask=attention_mask[:, :-1], position_ids=position_ids[:, :-1],
+            use_cache=False,
+        ).last_hidden_state[:, length - width - 1 :]  # [B, T, H]; position i predicts token i+1
     selected = completion_mask.bool()  # [B, T]
     states = hidden[selected]  # [N, H]
     targets = input_ids[:, length - width :][selected]  # [N]

@@ -46,11 +46,14 @@ def shared_prompt_states(model: nn.Module, input_ids: Tensor, attention_mask: Te
     prompt = base(input_ids=input_ids[first, :split], attention_mask=attention_mask[first, :split],
                   position_ids=position_ids[first, :split], use_cache=True)
     cache = prompt.cache if "cache" in prompt else prompt.past_key_values  # the name in transformers >= 5.2x
-    cache.reorder_cache(inverse)  # every row gets its prompt's keys and values (gradients flow back, summed)
-    tail = base(input_ids=input_ids[:, split:], attention_mask=attention_mask, position_ids=position_ids[:, split:],
-                use_cache=True, **{cache_keyword(type(base)): cache})
     last_prompt = prompt.last_hidden_state[inverse, -1:]  # [B, 1, H]: predicts completion column 0
-    return torch.cat([last_prompt, tail.last_hidden_state[:, :-1]], dim=1)
+    if width == 1:
+        return last_prompt
+    cache.reorder_cache(inverse)  # every row gets its prompt's keys and values (gradients flow back, summed)
+    # The last column predicts nothing and no scored position attends to it: it is not run.
+    tail = base(input_ids=input_ids[:, split:-1], attention_mask=attention_mask[:, :-1],
+                position_ids=position_ids[:, split:-1], use_cache=True, **{cache_keyword(type(base)): cache})
+    return torch.cat([last_prompt, tail.last_hidden_state], dim=1)
 
 
 @functools.cache

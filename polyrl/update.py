@@ -51,10 +51,22 @@ class UpdateCounters(Protocol):
     skipped_total: int
 
 
+def micro_batch_rows(max_rows: int, max_tokens: int, length: int, group: int) -> int:
+    """Rows per micro-batch: at most ``max_rows``, and at most ``max_tokens`` tokens of rows ``length`` long, in whole
+    groups of ``group`` rows (a prompt's rows stay together, so they share its forward); ``max_tokens`` 0: no token
+    cap. Never fewer than one group (or ``max_rows``, when smaller). The loss does not depend on it."""
+    if max_tokens <= 0:
+        return max_rows
+    fit = max_tokens // max(1, length) // max(1, group) * max(1, group)
+    return min(max_rows, max(fit, group))
+
+
 def update_policy(learner: Learner, method: Method, s: Scored, counters: UpdateCounters, *, epochs: int,
                   minibatches: int, micro_batch_size: int, horizon: int, topk: int, reuse_old: bool, seed: int,
-                  max_bad_steps: int) -> dict[str, float]:
+                  max_bad_steps: int, micro_batch_tokens: int = 0) -> dict[str, float]:
     """Run the optimizer steps on one scored batch; return averaged objective/*, perf/* and critic/* metrics.
+
+    A micro-batch holds ``micro_batch_rows(micro_batch_size, micro_batch_tokens, ...)`` rows (whole groups).
 
     With ``reuse_old`` (one optimizer step per batch) the policy has not moved when the loss is computed,
     so the update's own detached log-probs serve as pi_old (TRL does the same); across ranks each
@@ -62,6 +74,8 @@ def update_policy(learner: Learner, method: Method, s: Scored, counters: UpdateC
     """
     tb, mask = s.tb, s.mask
     B = tb.input_ids.shape[0]
+    group = int(s.group_ids.unique(return_counts=True)[1].max()) if B else 1
+    micro_batch_size = micro_batch_rows(micro_batch_size, micro_batch_tokens, tb.input_ids.shape[1], group)
     micro_sums: dict[str, float] = {}  # per micro-batch metrics, averaged at the end
     step_sums: dict[str, float] = {}  # per optimizer step metrics
     n_micro = n_steps = 0

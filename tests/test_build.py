@@ -72,7 +72,7 @@ ALWAYS = {"method", "task", "reward_funcs", "reward_weights", "model", "run_dir"
           "overwrite", "seed", "threads", "dtype", "guard", "max_bad_steps", "log_every", "tensorboard", "wandb",
           "chat_template",
           "rollout_workers", "nproc", "generator", "lora_rank", "drift_prompts",
-          "preference_file", "share_prompts", "fused_adam"}
+          "preference_file", "share_prompts", "fused_adam", "micro_batch_tokens"}
 
 
 def test_every_field_is_classified():

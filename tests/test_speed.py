@@ -114,6 +114,38 @@ def test_the_sampler_prefills_each_distinct_prompt_once_with_the_same_rollouts(b
         torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-6, rtol=0)
 
 
+def test_the_in_place_kv_cache_gives_the_concatenating_caches_rollouts(tiny_model, monkeypatch):
+    from transformers import DynamicCache
+
+    from polyrl.rollout.kv_cache import InPlaceLayer, decode_cache
+
+    model, tok = load_policy(tiny_model, threads=1)  # a character vocabulary: EOS is sampled now and then
+    assert all(isinstance(layer, InPlaceLayer) for layer in decode_cache(model.config, 16).layers)
+    generator = HFGenerator(model, tok)
+    params = SamplingParams(n=4, max_new_tokens=40, temperature=1.0, seed=2)
+    in_place = generator.generate(PROMPTS, params)
+    assert len({len(s.completion_token_ids) for s in in_place}) > 1  # rows finished early and were dropped
+    monkeypatch.setattr("polyrl.rollout.hf.decode_cache", lambda config, capacity: DynamicCache(config=config))
+    concatenated = generator.generate(PROMPTS, params)
+    for a, b in zip(in_place, concatenated):
+        assert a.completion_token_ids == b.completion_token_ids
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-6, rtol=0)
+
+
+def test_an_in_place_layer_refuses_more_tokens_than_its_capacity():
+    from polyrl.rollout.kv_cache import InPlaceLayer
+
+    layer = InPlaceLayer(capacity=3)
+    keys, values = layer.update(torch.ones(2, 1, 2, 4), torch.zeros(2, 1, 2, 4))
+    assert keys.shape == (2, 1, 2, 4) and layer.get_seq_length() == 2
+    keys, _ = layer.update(torch.full((2, 1, 1, 4), 5.0), torch.zeros(2, 1, 1, 4))
+    assert keys[:, :, 2].eq(5).all() and keys[:, :, :2].eq(1).all()
+    layer.batch_select_indices(torch.tensor([1]))
+    assert layer.keys.shape == (1, 1, 3, 4)
+    with pytest.raises(ValueError, match="exceed the capacity 3"):
+        layer.update(torch.ones(1, 1, 1, 4), torch.ones(1, 1, 1, 4))
+
+
 def test_fused_adamw_takes_the_loop_implementations_steps():
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
@@ -132,3 +164,43 @@ def test_fused_adamw_takes_the_loop_implementations_steps():
     moved = max((a - b).abs().max() for a, b in zip(net.parameters(), twin.parameters()))
     assert moved < 1e-6
     assert (net[0].weight - start).abs().max() > 1e-3  # the steps did move the weights
+
+
+def test_micro_batch_rows_by_hand():
+    from polyrl.update import micro_batch_rows
+
+    assert micro_batch_rows(64, 4096, 15, 8) == 64  # short rows: the row cap
+    assert micro_batch_rows(64, 4096, 135, 8) == 24  # 30 rows fit, in whole groups of 8
+    assert micro_batch_rows(64, 4096, 519, 8) == 8  # 7 fit: never less than a group
+    assert micro_batch_rows(4, 4096, 519, 8) == 4  # a row cap below the group stays the cap
+    assert micro_batch_rows(64, 0, 519, 8) == 64  # no token cap
+
+
+@pytest.mark.parametrize("switch", [{"share_prompts": False}, {"fused_adam": False}, {"micro_batch_tokens": 0}],
+                         ids=["share_prompts", "fused_adam", "micro_batch_tokens"])
+def test_each_speed_setting_leaves_training_as_it_was(tiny_model, tmp_path, switch):
+    import io
+    import json
+
+    from rich.console import Console
+    from safetensors.torch import load_file
+
+    from polyrl.config import build_config
+    from polyrl.methods import get_method
+    from polyrl.tasks.arithmetic import AdditionTask
+    from polyrl.trainer import train
+
+    runs = {}
+    for name, extra in (("fast", {"micro_batch_tokens": 40}), ("plain", switch)):
+        cfg = build_config(dict(steps=2, prompts_per_step=3, group_size=4, max_new_tokens=6, eval_prompts=2,
+                                eval_every=0, checkpoint_every=0, tensorboard=False, log_every=0, lr=1e-3,
+                                warmup_steps=0, threads=1, **extra))
+        run = tmp_path / name
+        train(cfg, get_method("grpo"), model_dir=tiny_model, task=AdditionTask(), run_dir=str(run),
+              console=Console(file=io.StringIO()))
+        rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+        weights = load_file(str(next((run / "checkpoints").glob("step_*")) / "model.safetensors"))
+        runs[name] = ([r["objective/loss"] for r in rows if "objective/loss" in r], weights)
+    (fast_loss, fast_w), (plain_loss, plain_w) = runs["fast"], runs["plain"]
+    assert len(fast_loss) == 2 and fast_loss == pytest.approx(plain_loss, abs=1e-6)
+    assert max(float((fast_w[k] - plain_w[k]).abs().max()) for k in plain_w) < 1e-5

@@ -11,8 +11,9 @@ top-p 0.9 / top-k 20), it draws from one batch-wide RNG, not the per-row keyed u
 rollouts reproducible across workers and batch sizes, and it has no hook for agency transfer's arbiter.
 
 Batches are LEFT padded with explicit position ids ``cumsum(attention_mask) - 1``; each step feeds
-one token per row with the cache (a ``DynamicCache``). Rows that sampled EOS are dropped from the
-batch and the cache as soon as they finish, so long-tail rows do not pay for finished ones. The
+one token per row with the cache (``kv_cache.decode_cache``: keys written in place, not concatenated), and
+a group's copies of one prompt share one prefill. Rows that sampled EOS are dropped from the batch and the
+cache as soon as they finish, so long-tail rows do not pay for finished ones. The
 only Python work per step is the loop itself and one ``any()`` check.
 
 Sampling is per row, never per batch: each row (one completion) has a key, and its random numbers
@@ -34,11 +35,11 @@ import secrets
 import numpy as np
 import torch
 from torch import Tensor, nn
-from transformers import DynamicCache
 
 from polyrl.model import head_logits, linear_head, logit_softcap, process_logits
 from polyrl.rollout.agency.arbiter import AgencyArbiter
 from polyrl.rollout.generator import Sample, SamplingParams, draw_tokens
+from polyrl.rollout.kv_cache import decode_cache
 from polyrl.shared_prompt import cache_keyword, distinct_prompts
 from polyrl.tasks.chat import prompt_ids as encode_prompts
 
@@ -155,11 +156,11 @@ class HFGenerator:
         rows = torch.arange(count, device=device)  # original row of each live batch row
         next_position = position_ids[:, -1] + 1  # [n]
         shared = distinct_prompts(input_ids, attention_mask, 0)  # a group's rows share one prefill
-        cache = DynamicCache(config=self.model.config)
+        cache = decode_cache(self.model.config, width + steps)  # keys written in place, not concatenated
         logits = self._prefill(input_ids, attention_mask, position_ids, cache, shared)
         if arbiter is not None:
             mix = arbiter.start(coins[:, 0])
-            base_cache = DynamicCache(config=arbiter.baseline.config)
+            base_cache = decode_cache(arbiter.baseline.config, width + steps)
             base_logits = self._prefill(input_ids, attention_mask, position_ids, base_cache, shared, arbiter.baseline)
         for step in range(steps):
             if arbiter is None:

@@ -1,0 +1,408 @@
+"""polyrl vs TRL's GRPOTrainer, side by side on one machine, with matched objectives (not a test).
+
+    make trl-venv                                  # TRL in its own pinned virtualenv: .venv-trl
+    .venv/bin/python benchmarks/vs_trl.py demo     # the demo settings: per-phase medians, paired ratios
+    .venv/bin/python benchmarks/vs_trl.py scaling  # completion length 8..512 and model size ~1M..50M, with plots
+    .venv/bin/python benchmarks/vs_trl.py accuracy # held-out accuracy after 200 steps, 3 seeds each
+    .venv/bin/python benchmarks/vs_trl.py memory   # peak memory of one training step, ~50M model, vocab 152k, T=512
+
+What is matched: the same saved model directory, prompts, reward and sampling (temperature 1, no top-p/top-k);
+the objective is GRPO with group z-scored advantages (std + 1e-4, TRL's ``scale_rewards="group"``), PPO clip 0.2,
+no KL (``beta=0``), losses averaged over every completion token of the batch (TRL ``loss_type="dapo"``, polyrl
+aggregation ``token_mean``), one optimizer step per batch, AdamW at a constant learning rate (no warm-up, no decay),
+gradient-norm clip 1.0, float32 (TRL ``bf16=False``: its CPU default autocasts to bfloat16),
+``gradient_checkpointing=False``, one CPU thread each. Each framework runs in its own process (TRL from
+``--trl-python``, default ``.venv-trl/bin/python``), the two alternate round by round, and what is reported is the
+median of each phase and the per-round ratio polyrl/TRL of seconds per step (median, min, max): compare the two
+numbers of one run, not numbers across runs.
+
+The scaling models are random-initialised tiny Llamas whose tokenizer's EOS id lies outside the model's
+vocabulary, so every completion is exactly ``max_new_tokens`` long on both sides (a fixed-length task; the reward
+is the completion's share of digits, so advantages are not zero).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+RESULTS = HERE / "results" / "vs_trl"
+DIGITS = set("0123456789")
+
+
+# ----------------------------------------------------------------------------------------------- the two workers
+def exact_reward(completion: str, answer: str) -> float:
+    return 1.0 if completion.strip() == answer else 0.0
+
+
+def digit_reward(completion: str, answer: str) -> float:
+    return sum(c in DIGITS for c in completion) / max(1, len(completion))
+
+
+REWARDS = {"exact": exact_reward, "digits": digit_reward}
+
+
+def peak_rss_mib() -> float:
+    """This process's peak resident memory so far (Linux reports KiB)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def worker_polyrl(spec: dict) -> dict:
+    """Train with polyrl in this process; per-step phase times from its metrics file."""
+    import io
+
+    from rich.console import Console
+
+    from polyrl.config import build_config
+    from polyrl.methods import get_method
+    from polyrl.tasks.base import Prompt
+    from polyrl.trainer import train
+
+    rows = json.loads(Path(spec["prompts"]).read_text())
+    reward = REWARDS[spec["reward"]]
+
+    class BenchTask:
+        name = "bench"
+
+        def prompts(self, split, n, seed):
+            pool = rows["train" if split == "train" else "test"]
+            return [Prompt(id=f"bench/{split}/{i}", text=r["prompt"], answer=r["answer"]) for i, r in
+                    enumerate(pool[:n])]
+
+        def reward(self, prompt, completion_text):
+            return reward(completion_text, prompt.answer), {}
+
+    cfg = build_config(dict(
+        checkpoint_every=0 if spec.get("save_final") else 10**6,
+        steps=spec["warmup"] + spec["steps"], prompts_per_step=spec["prompts_per_step"], group_size=spec["group"],
+        max_new_tokens=spec["max_new_tokens"], lr=spec["lr"], warmup_steps=0, max_grad_norm=1.0, weight_decay=0.0,
+        seed=spec["seed"], eval_prompts=spec.get("eval_prompts", 8), eval_every=0,
+        tensorboard=False, log_every=0, threads=1, train_prompts=len(rows["train"]),
+        **spec.get("polyrl_settings", {}),
+    ))
+    method = get_method("grpo", kl=None, kl_coef=0.0, aggregation="token_mean", advantage="grpo:eps=0.0001")
+    run_dir = spec["out_dir"]
+    summary = train(cfg, method, model_dir=spec["model"], task=BenchTask(), run_dir=run_dir,
+                    console=Console(file=io.StringIO()))
+    metrics = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    steps = [m for m in metrics if "perf/step_seconds" in m][spec["warmup"]:]
+    out = {
+        "step_s": [m["perf/step_seconds"] for m in steps],
+        "generate_s": [m["perf/generate_s"] for m in steps],
+        "score_s": [m["perf/score_s"] for m in steps],
+        "update_s": [m["perf/train_s"] for m in steps],
+        "completion_len": [m["rollout/mean_len"] for m in steps],
+        "summary": {k: v for k, v in summary.items() if isinstance(v, (int, float, str))},
+        "peak_rss_mib": peak_rss_mib(),
+    }
+    if spec.get("save_final"):
+        from polyrl.learner.sharded import export_hf
+
+        newest = sorted((Path(run_dir) / "checkpoints").glob("step_*"))[-1]
+        export_hf(newest, spec["save_final"], spec["model"])
+    return out
+
+
+def worker_trl(spec: dict) -> dict:
+    """Train with TRL's GRPOTrainer in this process (TRL's virtualenv); per-step phase times by wrapping its
+    generation and reward methods and timing each optimizer step with a callback."""
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    torch.set_num_threads(1)
+    rows = json.loads(Path(spec["prompts"]).read_text())
+    data = Dataset.from_list([{"prompt": r["prompt"], "answer": r["answer"]} for r in rows["train"]])
+    reward = REWARDS[spec["reward"]]
+
+    def reward_fn(completions, answer, **kwargs):
+        return [reward(c, a) for c, a in zip(completions, answer)]
+
+    tok = AutoTokenizer.from_pretrained(spec["model"])
+    model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32)
+    n = spec["prompts_per_step"] * spec["group"]
+    cfg = GRPOConfig(
+        output_dir=spec["out_dir"], per_device_train_batch_size=n, num_generations=spec["group"],
+        max_completion_length=spec["max_new_tokens"], max_steps=spec["warmup"] + spec["steps"],
+        learning_rate=spec["lr"], lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0,
+        loss_type="dapo", beta=0.0, scale_rewards="group", epsilon=0.2, num_iterations=1,
+        temperature=1.0, top_p=1.0, bf16=False, fp16=False, gradient_checkpointing=False, use_cpu=True,
+        logging_steps=10**6, report_to="none", save_strategy="no", disable_tqdm=True, dataloader_num_workers=0,
+        gradient_accumulation_steps=1, seed=spec["seed"], log_completions=False,
+    )
+    phases: dict[str, list[float]] = {"generate_s": [], "score_s": [], "prepare_s": []}
+    step_s: list[float] = []
+
+    class Clock(TrainerCallback):
+        def on_step_begin(self, *a, **k):
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, *a, **k):
+            step_s.append(time.perf_counter() - self.t0)
+
+    trainer = GRPOTrainer(model=model, reward_funcs=reward_fn, args=cfg, train_dataset=data, processing_class=tok,
+                          callbacks=[Clock()])
+
+    def timed(name: str, fn):
+        def wrapper(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                phases[name].append(time.perf_counter() - t0)
+        return wrapper
+
+    trainer._generate = timed("generate_s", trainer._generate)
+    trainer._calculate_rewards = timed("score_s", trainer._calculate_rewards)
+    trainer._generate_and_score_completions = timed("prepare_s", trainer._generate_and_score_completions)
+    trainer.train()
+    w = spec["warmup"]
+    out = {
+        "step_s": step_s[w:],
+        "generate_s": phases["generate_s"][w:],
+        "score_s": phases["score_s"][w:],
+        "update_s": [s - p for s, p in zip(step_s[w:], phases["prepare_s"][w:])],
+        "peak_rss_mib": peak_rss_mib(),
+    }
+    if spec.get("save_final"):
+        trainer.save_model(spec["save_final"])
+        tok.save_pretrained(spec["save_final"])
+    return out
+
+
+# ------------------------------------------------------------------------------------------- orchestration
+def run_worker(framework: str, spec: dict, python: str) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        spec = {**spec, "out_dir": str(Path(tmp) / "run")}
+        spec_file, out_file = Path(tmp) / "spec.json", Path(tmp) / "out.json"
+        spec_file.write_text(json.dumps(spec))
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+        proc = subprocess.run([python, str(Path(__file__).resolve()), f"_{framework}", str(spec_file), str(out_file)],
+                              env=env, capture_output=True, text=True)
+        if proc.returncode != 0:
+            sys.exit(f"{framework} worker failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
+        return json.loads(out_file.read_text())
+
+
+def med(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def paired(spec: dict, rounds: int, trl_python: str, label: str) -> dict:
+    """Alternate polyrl and TRL ``rounds`` times on ``spec``; medians per phase and the per-round ratios."""
+    from rich.progress import track
+
+    per_round = []
+    for r in track(range(rounds), description=f"{label}: {rounds} rounds"):
+        order = ("polyrl", "trl") if r % 2 == 0 else ("trl", "polyrl")
+        got = {fw: run_worker(fw, spec, sys.executable if fw == "polyrl" else trl_python) for fw in order}
+        per_round.append(got)
+    out: dict = {"spec": {k: v for k, v in spec.items() if k != "prompts"}, "rounds": rounds}
+    for fw in ("polyrl", "trl"):
+        for phase in ("step_s", "generate_s", "score_s", "update_s"):
+            out[f"{fw}_{phase}"] = med([x for r in per_round for x in r[fw][phase]])
+    ratios = [med(r["polyrl"]["step_s"]) / med(r["trl"]["step_s"]) for r in per_round]
+    tokens = spec["prompts_per_step"] * spec["group"] * spec["max_new_tokens"]
+    out.update(ratio_median=med(ratios), ratio_min=min(ratios), ratio_max=max(ratios), ratios=ratios,
+               polyrl_tokens_per_s=tokens / out["polyrl_step_s"], trl_tokens_per_s=tokens / out["trl_step_s"])
+    return out
+
+
+def addition_rows(n_train: int = 4096, n_test: int = 200) -> dict:
+    rng = random.Random(0)
+    pairs = [(a, b) for a in range(10, 100) for b in range(10, 100)]
+    rng.shuffle(pairs)
+    make = lambda ps: [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a, b in ps]  # noqa: E731
+    return {"train": make(pairs[:n_train]), "test": make(pairs[n_train:n_train + n_test])}
+
+
+def demo_model() -> str:
+    """The demo's warm start (built and cached by polyrl warmstart when missing)."""
+    out = subprocess.run([sys.executable, "-m", "polyrl", "warmstart", "--task", "addition"], capture_output=True,
+                         text=True, check=True).stdout
+    return out.strip().splitlines()[-1]
+
+
+def scaling_model(out: Path, hidden: int, layers: int, vocab_pad: int = 0) -> str:
+    """A random-init tiny Llama whose tokenizer's EOS id is outside the model's vocabulary: every completion runs to
+    ``max_new_tokens`` on both sides. ``vocab_pad``: grow the model's vocabulary to this size (memory runs)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from polyrl.tinylm import build_tiny_llama
+
+    path = build_tiny_llama(out, hidden=hidden, layers=layers, heads=max(1, hidden // 64), max_positions=1024)
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path)
+    if vocab_pad:
+        model.resize_token_embeddings(vocab_pad, mean_resizing=False)
+    tok.add_special_tokens({"eos_token": "<never>"})  # its id is len(vocab): past the model's own, never sampled
+    # (with ``vocab_pad`` it is inside the grown vocabulary but one of 152k: a row stops early with p ~ 3 %)
+    assert vocab_pad or tok.eos_token_id >= model.config.vocab_size
+    model.config.eos_token_id = model.generation_config.eos_token_id = tok.eos_token_id
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path)
+
+
+def params_m(model_dir: str) -> float:
+    from safetensors.torch import load_file
+
+    return sum(t.numel() for t in load_file(str(Path(model_dir) / "model.safetensors")).values()) / 1e6
+
+
+def greedy_accuracy(model_dir: str, rows: list[dict]) -> float:
+    """Held-out exact-match accuracy of greedy decoding, the same code for both frameworks' final models."""
+    from polyrl.model import load_policy
+    from polyrl.rollout.generator import SamplingParams
+    from polyrl.rollout.hf import HFGenerator
+
+    model, tok = load_policy(model_dir, threads=1)
+    samples = HFGenerator(model, tok).generate([r["prompt"] for r in rows],
+                                               SamplingParams(n=1, max_new_tokens=8, temperature=0.0, seed=0))
+    return sum(exact_reward(s.text, r["answer"]) for s, r in zip(samples, rows)) / len(rows)
+
+
+def plot_scaling(points: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 2, figsize=(10, 7))
+    for col, sweep, key, label in ((0, "length", "max_new_tokens", "completion length (tokens)"),
+                                   (1, "size", "params_m", "parameters (M)")):
+        pts = [p for p in points if p["sweep"] == sweep]
+        xs = [p[key] for p in pts]
+        for fw, style in (("polyrl", "o-"), ("trl", "s--")):
+            axes[0, col].plot(xs, [p[f"{fw}_tokens_per_s"] for p in pts], style, label=fw)
+        axes[1, col].plot(xs, [p["ratio_median"] for p in pts], "o-", color="k")
+        axes[1, col].fill_between(xs, [p["ratio_min"] for p in pts], [p["ratio_max"] for p in pts], alpha=0.2)
+        axes[1, col].axhline(1.0, color="grey", lw=0.8)
+        for row in (0, 1):
+            axes[row, col].set_xscale("log")
+            axes[row, col].set_xlabel(label)
+        axes[0, col].set_ylabel("generated tokens / s (whole step)")
+        axes[1, col].set_ylabel("polyrl / TRL seconds per step")
+        axes[0, col].legend()
+    fig.suptitle("polyrl vs TRL GRPO step, 1 CPU thread, float32")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def write(name: str, result: dict) -> None:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / f"{name}.json").write_text(json.dumps(result, indent=2))
+
+
+def show(title: str, rows: list[tuple[str, dict]]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title)
+    for col in ("point", "polyrl s/step", "TRL s/step", "ratio median [min, max]", "polyrl gen/score/update",
+                "TRL gen/score/update", "polyrl tok/s", "TRL tok/s"):
+        table.add_column(col)
+    for label, r in rows:
+        table.add_row(label, f"{r['polyrl_step_s']:.3f}", f"{r['trl_step_s']:.3f}",
+                      f"{r['ratio_median']:.2f} [{r['ratio_min']:.2f}, {r['ratio_max']:.2f}]",
+                      "/".join(f"{r[f'polyrl_{p}']:.3f}" for p in ("generate_s", "score_s", "update_s")),
+                      "/".join(f"{r[f'trl_{p}']:.3f}" for p in ("generate_s", "score_s", "update_s")),
+                      f"{r['polyrl_tokens_per_s']:.0f}", f"{r['trl_tokens_per_s']:.0f}")
+    Console().print(table)
+
+
+def main() -> None:
+    if len(sys.argv) == 4 and sys.argv[1] in ("_polyrl", "_trl"):  # a worker process
+        spec = json.loads(Path(sys.argv[2]).read_text())
+        fn = worker_polyrl if sys.argv[1] == "_polyrl" else worker_trl
+        Path(sys.argv[3]).write_text(json.dumps(fn(spec)))
+        return
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("what", choices=("demo", "scaling", "accuracy", "memory"))
+    ap.add_argument("--trl-python", default=str(ROOT / ".venv-trl" / "bin" / "python"))
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=10, help="timed steps per round")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed first steps per round")
+    ap.add_argument("--lr", type=float, default=1e-5)
+    ap.add_argument("--seeds", type=int, default=3, help="accuracy: seeds per framework")
+    ap.add_argument("--lengths", type=lambda s: [int(x) for x in s.split(",")], default=[8, 32, 128, 512])
+    ap.add_argument("--sizes", type=lambda s: [tuple(int(v) for v in x.split("x")) for x in s.split(",") if x],
+                    default=[(128, 4), (320, 8), (640, 10)], help="hidden x layers, e.g. 128x4,320x8,640x10")
+    ap.add_argument("--size-length", type=int, default=32, help="completion length of the size sweep")
+    ap.add_argument("--mem-hidden", type=int, default=640)
+    ap.add_argument("--mem-layers", type=int, default=10)
+    ap.add_argument("--mem-vocab", type=int, default=152064)
+    ap.add_argument("--mem-length", type=int, default=512)
+    args = ap.parse_args()
+    if not Path(args.trl_python).exists():
+        sys.exit(f"--trl-python {args.trl_python} not found: run `make trl-venv` first")
+    with tempfile.TemporaryDirectory() as tmp:
+        prompts = Path(tmp) / "prompts.json"
+        prompts.write_text(json.dumps(addition_rows()))
+        base = dict(prompts=str(prompts), reward="exact", prompts_per_step=8, group=8, max_new_tokens=8,
+                    steps=args.steps, warmup=args.warmup, lr=args.lr, seed=0)
+        if args.what == "demo":
+            result = paired({**base, "model": demo_model()}, args.rounds, args.trl_python, "demo")
+            write("demo", result)
+            show("polyrl vs TRL at the demo settings (8 prompts x 8, 8 new tokens, 1 thread)", [("demo", result)])
+        elif args.what == "scaling":
+            points = []
+            for length in args.lengths:
+                model = scaling_model(Path(tmp) / f"len{length}", 128, 4)
+                spec = {**base, "model": model, "reward": "digits", "max_new_tokens": length}
+                points.append({"sweep": "length", "params_m": params_m(model),
+                               **paired(spec, args.rounds, args.trl_python, f"length {length}")})
+            for hidden, layers in args.sizes:
+                model = scaling_model(Path(tmp) / f"h{hidden}", hidden, layers)
+                spec = {**base, "model": model, "reward": "digits", "max_new_tokens": args.size_length}
+                points.append({"sweep": "size", "params_m": params_m(model), "max_new_tokens": args.size_length,
+                               **paired(spec, args.rounds, args.trl_python, f"hidden {hidden} x {layers} layers")})
+            for p in points:
+                p.setdefault("max_new_tokens", p["spec"]["max_new_tokens"])
+            write("scaling", {"points": points})
+            plot_scaling(points, RESULTS / "scaling.png")
+            show("polyrl vs TRL: completion length (~1M model) and model size (32 tokens)",
+                 [(f"{p['sweep']} {p['max_new_tokens']} tok, {p['params_m']:.1f}M", p) for p in points])
+        elif args.what == "accuracy":
+            rows = json.loads(prompts.read_text())["test"]
+            result: dict = {"steps": args.steps, "seeds": args.seeds, "polyrl": [], "trl": []}
+            for seed in range(args.seeds):
+                for fw in ("polyrl", "trl"):
+                    final = Path(tmp) / f"{fw}{seed}"
+                    spec = {**base, "model": demo_model(), "steps": args.steps, "warmup": 0, "seed": seed,
+                            "save_final": str(final)}
+                    run_worker(fw, spec, sys.executable if fw == "polyrl" else args.trl_python)
+                    result[fw].append(greedy_accuracy(str(final), rows))
+                    print(f"seed {seed} {fw}: held-out greedy accuracy {result[fw][-1]:.3f}")
+            result["start"] = greedy_accuracy(demo_model(), rows)
+            write("accuracy", result)
+            print(json.dumps(result, indent=2))
+        elif args.what == "memory":
+            model = scaling_model(Path(tmp) / "mem", args.mem_hidden, args.mem_layers, vocab_pad=args.mem_vocab)
+            spec = {**base, "model": model, "reward": "digits", "max_new_tokens": args.mem_length,
+                    "prompts_per_step": 2, "group": 4, "steps": 1, "warmup": 0}
+            result = {"params_m": params_m(model), "vocab": args.mem_vocab, "max_new_tokens": args.mem_length,
+                      "rows": 8}
+            for fw in ("polyrl", "trl"):
+                got = run_worker(fw, spec, sys.executable if fw == "polyrl" else args.trl_python)
+                result[f"{fw}_peak_rss_mib"] = got["peak_rss_mib"]
+                result[f"{fw}_step_s"] = got["step_s"][0]
+            write("memory", result)
+            print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
