@@ -131,9 +131,10 @@ def plot_claim(cid: str, samples: dict[str, Any], path: Path) -> Path:
     curves = samples.get("curves") or {}
     if curves:
         for arm, cv in curves.items():
-            ax.plot(cv["x"], cv["y"], label=arm)
+            ax.plot(cv["x"], cv["y"], linestyle=cv.get("linestyle", "-"), color=cv.get("color"), label=arm)
             if cv.get("lo") and cv.get("hi"):
-                ax.fill_between(cv["x"], cv["lo"], cv["hi"], alpha=0.2)
+                band = {"color": cv["color"]} if cv.get("color") else {}  # else the patch colour cycle
+                ax.fill_between(cv["x"], cv["lo"], cv["hi"], alpha=0.2, **band)
             ax.set_ylabel(cv.get("label", ""))
         ax.set_xlabel(next((cv["xlabel"] for cv in curves.values() if cv.get("xlabel")), "step"))
     else:
