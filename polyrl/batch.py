@@ -37,6 +37,22 @@ class TokenBatch:
                           self.rollout_logp[index], self.loss_mask[index], self.turn_ids[index],
                           None if self.sum_pi_sq is None else self.sum_pi_sq[index])
 
+    def trimmed(self) -> tuple[TokenBatch, int]:
+        """The same rows without the columns that are padding in every row: the prompt block's leading columns and
+        the completion block's trailing ones. Returns the batch and its completion width (the kept first columns
+        of every [B, T] completion tensor); log-probs of the kept tokens are unchanged (positions come from the
+        attention mask, and no kept token attends to a dropped one)."""
+        T = self.completion_mask.shape[1]
+        used = self.completion_mask.any(dim=0).nonzero()
+        width = int(used.max()) + 1 if len(used) else 1
+        prompt = self.attention_mask[:, : self.input_ids.shape[1] - T].any(dim=0).nonzero()
+        start = int(prompt.min()) if len(prompt) else 0
+        stop = self.input_ids.shape[1] - T + width
+        sq = None if self.sum_pi_sq is None else self.sum_pi_sq[:, :width]
+        return TokenBatch(self.input_ids[:, start:stop], self.attention_mask[:, start:stop],
+                          self.completion_mask[:, :width], self.rollout_logp[:, :width], self.loss_mask[:, :width],
+                          self.turn_ids[:, :width], sq), width
+
     @staticmethod
     def from_samples(samples: list[Sample], pad_id: int) -> TokenBatch:
         P = max(len(s.prompt_token_ids) for s in samples)

@@ -294,7 +294,7 @@ def validate(config: TrainConfig) -> None:
         v = getattr(cfg, name)
         _rule(name, v, v >= 1, "must be an integer >= 1")
     for name in ("warmup_steps", "eval_every", "checkpoint_every", "threads", "top_k", "log_every", "train_prompts",
-                 "async_staleness"):
+                 "async_staleness", "micro_batch_tokens"):
         v = getattr(cfg, name)
         _rule(name, v, v >= 0, "must be an integer >= 0")
     _rule("lr", cfg.lr, cfg.lr > 0, "must be > 0")

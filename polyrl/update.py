@@ -12,6 +12,7 @@ added up with ``learner.all_sum``. In one process both are trivial and nothing c
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Protocol
@@ -24,6 +25,7 @@ from polyrl.errors import TrainingError
 from polyrl.learner.local import Learner
 from polyrl.objectives import Method, policy_loss
 from polyrl.objectives.objective import zero_grad_by_quarter
+from polyrl.registry import TRUST_REGIONS
 from polyrl.types import LossInputs, Normalizer, group_token_counts
 
 
@@ -51,14 +53,37 @@ class UpdateCounters(Protocol):
     skipped_total: int
 
 
-def micro_batch_rows(max_rows: int, max_tokens: int, length: int, group: int) -> int:
-    """Rows per micro-batch: at most ``max_rows``, and at most ``max_tokens`` tokens of rows ``length`` long, in whole
-    groups of ``group`` rows (a prompt's rows stay together, so they share its forward); ``max_tokens`` 0: no token
-    cap. Never fewer than one group (or ``max_rows``, when smaller). The loss does not depend on it."""
-    if max_tokens <= 0:
-        return max_rows
-    fit = max_tokens // max(1, length) // max(1, group) * max(1, group)
-    return min(max_rows, max(fit, group))
+def plan_micro_batches(lengths: Tensor, units: Tensor, *, max_rows: int, max_tokens: int,
+                       prompt_width: int) -> list[Tensor]:
+    """Positions (into the minibatch) of each micro-batch; the loss does not depend on the split.
+
+    ``max_tokens`` 0: consecutive chunks of ``max_rows``. Otherwise rows are packed by length: the units (``units``
+    [n] labels rows that must stay together -- a preference pair's group -- else every row is its own unit) are
+    sorted by their longest completion, longest first (ties keep their order, so a GRPO group of equal lengths stays
+    together and shares its prompt's forward), and each micro-batch takes units while it holds at most ``max_rows``
+    rows and at most ``max_tokens`` tokens of (prompt width + its longest completion) per row; at least one unit.
+    Micro-batches of similar lengths, trimmed to their own longest row by ``TokenBatch.trimmed``, run almost no
+    padding (verl's dynamic batch size, ``ppo_max_token_len_per_gpu``, does the same)."""
+    n = len(lengths)
+    if max_tokens <= 0 or n == 0:
+        return list(torch.arange(n).split(max_rows))
+    labels = units.unique(return_inverse=True)[1]
+    longest = torch.zeros(int(labels.max()) + 1, dtype=lengths.dtype).scatter_reduce(
+        0, labels, lengths, reduce="amax", include_self=False)
+    out: list[Tensor] = []
+    rows: list[Tensor] = []
+    count = width = 0
+    for u in torch.argsort(longest, descending=True, stable=True).tolist():
+        unit = torch.nonzero(labels == u).squeeze(1)
+        if rows and (count + len(unit) > max_rows or (count + len(unit)) * width > max_tokens):
+            out.append(torch.cat(rows))
+            rows, count = [], 0
+        if not rows:
+            width = prompt_width + int(longest[u])  # a micro-batch's first unit is its longest
+        rows.append(unit)
+        count += len(unit)
+    out.append(torch.cat(rows))
+    return out
 
 
 def update_policy(learner: Learner, method: Method, s: Scored, counters: UpdateCounters, *, epochs: int,
@@ -66,16 +91,17 @@ def update_policy(learner: Learner, method: Method, s: Scored, counters: UpdateC
                   max_bad_steps: int, micro_batch_tokens: int = 0) -> dict[str, float]:
     """Run the optimizer steps on one scored batch; return averaged objective/*, perf/* and critic/* metrics.
 
-    A micro-batch holds ``micro_batch_rows(micro_batch_size, micro_batch_tokens, ...)`` rows (whole groups).
+    Micro-batches: ``plan_micro_batches`` (at most ``micro_batch_size`` rows; with ``micro_batch_tokens`` > 0 packed
+    by length under that token cap and trimmed of the columns that are padding in all their rows).
 
     With ``reuse_old`` (one optimizer step per batch) the policy has not moved when the loss is computed,
     so the update's own detached log-probs serve as pi_old (TRL does the same); across ranks each
     rank fills the rows it ran and the rows are summed, so every rank ends with the full ``s.old_logp``.
     """
     tb, mask = s.tb, s.mask
-    B = tb.input_ids.shape[0]
-    group = int(s.group_ids.unique(return_counts=True)[1].max()) if B else 1
-    micro_batch_size = micro_batch_rows(micro_batch_size, micro_batch_tokens, tb.input_ids.shape[1], group)
+    B, T = tb.completion_mask.shape
+    pairs = "whole_groups" in TRUST_REGIONS.spec(method.trust_region.name).tags  # a group's rows stay together
+    lengths = tb.completion_mask.sum(-1).long()
     micro_sums: dict[str, float] = {}  # per micro-batch metrics, averaged at the end
     step_sums: dict[str, float] = {}  # per optimizer step metrics
     n_micro = n_steps = 0
@@ -88,35 +114,40 @@ def update_policy(learner: Learner, method: Method, s: Scored, counters: UpdateC
             norm = Normalizer.from_batch(mask[mb], s.group_ids[mb], horizon=horizon)
             group_tokens = group_token_counts(mask[mb], s.group_ids[mb])
             finite = True
-            micro_batches = torch.arange(len(mb)).split(micro_batch_size)
+            micro_batches = plan_micro_batches(
+                lengths[mb], s.group_ids[mb] if pairs else torch.arange(len(mb)), max_rows=micro_batch_size,
+                max_tokens=micro_batch_tokens, prompt_width=tb.input_ids.shape[1] - T)
             for index in learner.shard(len(micro_batches)):
                 real = index is not None  # else a zero-weight pass that keeps the ranks in lockstep
                 micro = micro_batches[index if real else 0]
                 rows = mb[micro]
-                cur = learner.logprobs(tb.rows(rows), grad=True, topk=topk)
+                batch, w = tb.rows(rows).trimmed() if micro_batch_tokens > 0 else (tb.rows(rows), T)
+
+                cut = functools.partial(_cut, rows, w)
+                cur = learner.logprobs(batch, grad=True, topk=topk)
                 if reuse_old:
-                    s.old_logp[rows] = cur.logp.detach()
+                    s.old_logp[rows, :w] = cur.logp.detach()
                     if cur.topk_logp is not None:
                         if s.old_topk is None:
-                            s.old_topk = cur.topk_logp.new_zeros((B, *cur.topk_logp.shape[1:]))
-                        s.old_topk[rows] = cur.topk_logp.detach()
+                            s.old_topk = cur.topk_logp.new_zeros((B, T, cur.topk_logp.shape[-1]))
+                        s.old_topk[rows, :w] = cur.topk_logp.detach()
                     if real:
-                        own.record(rows, cur.logp, cur.topk_logp)
-                old_topk = None if s.old_topk is None else s.old_topk[rows]
+                        own.record(rows, s.old_logp[rows], None if s.old_topk is None else s.old_topk[rows])
+                old_topk = cut(s.old_topk)
                 inputs = LossInputs(
-                    logp=cur.logp, old_logp=s.old_logp[rows], adv=s.adv[rows], mask=mask[rows], normalizer=norm,
-                    rollout_logp=tb.rollout_logp[rows], ref_logp=None if s.ref_logp is None else s.ref_logp[rows],
+                    logp=cur.logp, old_logp=cut(s.old_logp), adv=cut(s.adv), mask=cut(mask), normalizer=norm,
+                    rollout_logp=cut(tb.rollout_logp), ref_logp=cut(s.ref_logp),
                     entropy=cur.entropy if method.entropy_grad else cur.entropy.detach(),  # differentiated by a bonus
                     group_ids=s.group_ids[rows], group_tokens=group_tokens[micro],
-                    segment_ids=s.segment_ids[rows], turn_ids=tb.turn_ids[rows], topk_ids=cur.topk_ids,
+                    segment_ids=cut(s.segment_ids), turn_ids=cut(tb.turn_ids), topk_ids=cur.topk_ids,
                     topk_logp=cur.topk_logp, old_topk_logp=old_topk, rollout_topk_logp=old_topk,
-                    sample_weight=None if s.sample_weight is None else s.sample_weight[rows],
+                    sample_weight=cut(s.sample_weight),
                 )
                 out = policy_loss(inputs, method)
                 if learner.all_sum(torch.tensor([float(not torch.isfinite(out.loss))])) > 0:  # on any rank
                     finite = False
                     break
-                zeros = zero_grad_by_quarter(out.surrogate, cur.logp, mask[rows], s.adv[rows])
+                zeros = zero_grad_by_quarter(out.surrogate, cur.logp, cut(mask), cut(s.adv))
                 learner.backward(out.loss if real else out.loss * 0.0)
                 if real:
                     zero_grad_counts += zeros
@@ -151,6 +182,11 @@ def update_policy(learner: Learner, method: Method, s: Scored, counters: UpdateC
         if zero_grad_counts[1, q] > 0:
             metrics[f"position/zero_grad_frac_q{q + 1}"] = float(zero_grad_counts[0, q] / zero_grad_counts[1, q])
     return metrics
+
+
+def _cut(rows: Tensor, w: int, x: Tensor | None) -> Tensor | None:
+    """[B, T, ...] -> the micro-batch's rows and first ``w`` columns ([B] -> its rows)."""
+    return None if x is None else x[rows, :w] if x.dim() > 1 else x[rows]
 
 
 class _OwnRows:

@@ -166,14 +166,39 @@ def test_fused_adamw_takes_the_loop_implementations_steps():
     assert (net[0].weight - start).abs().max() > 1e-3  # the steps did move the weights
 
 
-def test_micro_batch_rows_by_hand():
-    from polyrl.update import micro_batch_rows
+def test_micro_batches_pack_rows_by_length_under_the_token_cap():
+    from polyrl.update import plan_micro_batches
 
-    assert micro_batch_rows(64, 4096, 15, 8) == 64  # short rows: the row cap
-    assert micro_batch_rows(64, 4096, 135, 8) == 24  # 30 rows fit, in whole groups of 8
-    assert micro_batch_rows(64, 4096, 519, 8) == 8  # 7 fit: never less than a group
-    assert micro_batch_rows(4, 4096, 519, 8) == 4  # a row cap below the group stays the cap
-    assert micro_batch_rows(64, 0, 519, 8) == 64  # no token cap
+    lengths = torch.tensor([3, 9, 5, 9, 1, 4])
+    rows = torch.arange(6)
+    plan = lambda **k: [m.tolist() for m in plan_micro_batches(lengths, rows, prompt_width=1, **k)]  # noqa: E731
+    assert plan(max_rows=4, max_tokens=0) == [[0, 1, 2, 3], [4, 5]]  # no cap: consecutive chunks
+    # longest first (ties in order): widths 1 + 9 = 10 -> 2 rows in 20 tokens; then 1 + 5 -> 3 rows in 18 ...
+    assert plan(max_rows=4, max_tokens=20) == [[1, 3], [2, 5, 0], [4]]
+    assert plan(max_rows=2, max_tokens=100) == [[1, 3], [2, 5], [0, 4]]  # the row cap still holds
+    assert plan(max_rows=4, max_tokens=5) == [[1], [3], [2], [5], [0], [4]]  # never fewer than one row
+    pairs = torch.tensor([7, 7, 8, 8, 9, 9])  # units that stay together (a preference pair's group)
+    got = [m.tolist() for m in plan_micro_batches(lengths, pairs, max_rows=4, max_tokens=20, prompt_width=1)]
+    assert got == [[0, 1], [2, 3], [4, 5]]
+
+
+def test_trimming_drops_only_columns_that_are_padding_everywhere(tiny_model):
+    from polyrl.batch import TokenBatch
+    from polyrl.rollout.generator import Sample
+
+    def sample(prompt, completion):
+        return Sample(prompt_index=0, prompt_token_ids=prompt, completion_token_ids=completion,
+                      logprobs=[-0.5] * len(completion), finish_reason="stop", text="")
+
+    rows = [sample([5, 6, 7], [8, 9, 2]), sample([5, 6], [8]), sample([4, 5, 6, 7], [9, 9, 9, 9])]
+    tb = TokenBatch.from_samples(rows, pad_id=0)
+    small, width = tb.rows(torch.tensor([0, 1])).trimmed()
+    assert width == 3 and small.input_ids.tolist() == [[5, 6, 7, 8, 9, 2], [0, 5, 6, 8, 0, 0]]
+    model, _ = load_policy(tiny_model, threads=1)
+    full = completion_logprobs(model, tb.input_ids[:2], tb.attention_mask[:2], tb.completion_mask[:2])
+    cut = completion_logprobs(model, small.input_ids, small.attention_mask, small.completion_mask)
+    torch.testing.assert_close(cut.logp, full.logp[:, :width], atol=1e-6, rtol=0)
+    assert full.logp[:, width:].abs().sum() == 0
 
 
 @pytest.mark.parametrize("switch", [{"share_prompts": False}, {"fused_adam": False}, {"micro_batch_tokens": 0}],
@@ -191,7 +216,7 @@ def test_each_speed_setting_leaves_training_as_it_was(tiny_model, tmp_path, swit
     from polyrl.trainer import train
 
     runs = {}
-    for name, extra in (("fast", {"micro_batch_tokens": 40}), ("plain", switch)):
+    for name, extra in (("fast", {"micro_batch_tokens": 30}), ("plain", switch)):
         cfg = build_config(dict(steps=2, prompts_per_step=3, group_size=4, max_new_tokens=6, eval_prompts=2,
                                 eval_every=0, checkpoint_every=0, tensorboard=False, log_every=0, lr=1e-3,
                                 warmup_steps=0, threads=1, **extra))

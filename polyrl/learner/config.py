@@ -51,6 +51,6 @@ class SpeedConfig:
     fused_adam: bool = field(default=True, metadata={"flag": "fused_adam"})
     """AdamW's fused kernel (one pass over all parameters) instead of a loop over them"""
     micro_batch_tokens: int = field(default=4096, metadata={"flag": "micro_batch_tokens"})
-    """cap a training micro-batch at this many tokens (rows x padded length, whole groups of rows, at most
-    micro_batch_size rows); 0 = micro_batch_size rows always. Long rows run in smaller passes that stay in cache:
-    on CPU 4096 was about 20 % faster than 64 rows at 512-token completions, and leaves short rows whole"""
+    """pack training micro-batches by length: rows sorted longest first, at most this many tokens (rows x padded
+    length) and micro_batch_size rows each, and every micro-batch cut to its own longest row (verl's dynamic batch
+    size); 0 = consecutive chunks of micro_batch_size rows, padded to the batch's longest row"""
