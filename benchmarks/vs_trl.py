@@ -2,7 +2,8 @@
 
     make trl-venv                                  # TRL in its own pinned virtualenv: .venv-trl
     .venv/bin/python benchmarks/vs_trl.py demo     # the demo settings: per-phase medians, paired ratios
-    .venv/bin/python benchmarks/vs_trl.py scaling  # completion length 8..512 and model size ~1M..50M, with plots
+    .venv/bin/python benchmarks/vs_trl.py scaling  # completion length 8..512 and model size ~1M..66M, with plots
+                                                   # (--stop natural: completions end at EOS; --stop fixed: never)
     .venv/bin/python benchmarks/vs_trl.py accuracy # held-out accuracy after 200 steps, 3 seeds each
     .venv/bin/python benchmarks/vs_trl.py memory   # peak memory of one training step, ~50M model, vocab 152k, T=512
 
@@ -103,7 +104,7 @@ def worker_polyrl(spec: dict) -> dict:
         "generate_s": [m["perf/generate_s"] for m in steps],
         "score_s": [m["perf/score_s"] for m in steps],
         "update_s": [m["perf/train_s"] for m in steps],
-        "completion_len": [m["rollout/mean_len"] for m in steps],
+        "gen_tokens": [m["rollout/mean_len"] * spec["prompts_per_step"] * spec["group"] for m in steps],
         "summary": {k: v for k, v in summary.items() if isinstance(v, (int, float, str))},
         "peak_rss_mib": peak_rss_mib(),
     }
@@ -167,7 +168,15 @@ def worker_trl(spec: dict) -> dict:
 
     trainer._generate = timed("generate_s", trainer._generate)
     trainer._calculate_rewards = timed("score_s", trainer._calculate_rewards)
-    trainer._generate_and_score_completions = timed("prepare_s", trainer._generate_and_score_completions)
+    tokens: list[float] = []
+    prepare = timed("prepare_s", trainer._generate_and_score_completions)
+
+    def counted(*a, **k):
+        out = prepare(*a, **k)
+        tokens.append(float(out["completion_mask"].sum()))
+        return out
+
+    trainer._generate_and_score_completions = counted
     trainer.train()
     w = spec["warmup"]
     out = {
@@ -175,6 +184,7 @@ def worker_trl(spec: dict) -> dict:
         "generate_s": phases["generate_s"][w:],
         "score_s": phases["score_s"][w:],
         "update_s": [s - p for s, p in zip(step_s[w:], phases["prepare_s"][w:])],
+        "gen_tokens": tokens[w:],
         "peak_rss_mib": peak_rss_mib(),
     }
     if spec.get("save_final"):
@@ -215,9 +225,10 @@ def paired(spec: dict, rounds: int, trl_python: str, label: str) -> dict:
         for phase in ("step_s", "generate_s", "score_s", "update_s"):
             out[f"{fw}_{phase}"] = med([x for r in per_round for x in r[fw][phase]])
     ratios = [med(r["polyrl"]["step_s"]) / med(r["trl"]["step_s"]) for r in per_round]
-    tokens = spec["prompts_per_step"] * spec["group"] * spec["max_new_tokens"]
-    out.update(ratio_median=med(ratios), ratio_min=min(ratios), ratio_max=max(ratios), ratios=ratios,
-               polyrl_tokens_per_s=tokens / out["polyrl_step_s"], trl_tokens_per_s=tokens / out["trl_step_s"])
+    out.update(ratio_median=med(ratios), ratio_min=min(ratios), ratio_max=max(ratios), ratios=ratios)
+    for fw in ("polyrl", "trl"):  # generated tokens per second of whole step, each framework counting its own
+        out[f"{fw}_gen_tokens"] = med([x for r in per_round for x in r[fw]["gen_tokens"]])
+        out[f"{fw}_tokens_per_s"] = out[f"{fw}_gen_tokens"] / out[f"{fw}_step_s"]
     return out
 
 
@@ -236,9 +247,11 @@ def demo_model() -> str:
     return out.strip().splitlines()[-1]
 
 
-def scaling_model(out: Path, hidden: int, layers: int, vocab_pad: int = 0) -> str:
-    """A random-init tiny Llama whose tokenizer's EOS id is outside the model's vocabulary: every completion runs to
-    ``max_new_tokens`` on both sides. ``vocab_pad``: grow the model's vocabulary to this size (memory runs)."""
+def scaling_model(out: Path, hidden: int, layers: int, vocab_pad: int = 0, fixed: bool = True) -> str:
+    """A random-init tiny Llama. ``fixed``: its tokenizer's EOS id is outside the model's vocabulary, so every
+    completion runs to ``max_new_tokens`` on both sides; else EOS is one of its 86 tokens (near-uniform logits: a
+    row stops with p ~ 1/86 per token, lengths as a geometric law capped at max_new_tokens, as a real policy's
+    vary). ``vocab_pad``: grow the model's vocabulary to this size (memory runs)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from polyrl.tinylm import build_tiny_llama
@@ -248,6 +261,8 @@ def scaling_model(out: Path, hidden: int, layers: int, vocab_pad: int = 0) -> st
     model = AutoModelForCausalLM.from_pretrained(path)
     if vocab_pad:
         model.resize_token_embeddings(vocab_pad, mean_resizing=False)
+    if not fixed:
+        return str(path)
     tok.add_special_tokens({"eos_token": "<never>"})  # its id is len(vocab): past the model's own, never sampled
     # (with ``vocab_pad`` it is inside the grown vocabulary but one of 152k: a row stops early with p ~ 3 %)
     assert vocab_pad or tok.eos_token_id >= model.config.vocab_size
@@ -275,7 +290,7 @@ def greedy_accuracy(model_dir: str, rows: list[dict]) -> float:
     return sum(exact_reward(s.text, r["answer"]) for s, r in zip(samples, rows)) / len(rows)
 
 
-def plot_scaling(points: list[dict], path: Path) -> None:
+def plot_scaling(points: list[dict], path: Path, stop: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -285,6 +300,8 @@ def plot_scaling(points: list[dict], path: Path) -> None:
     for col, sweep, key, label in ((0, "length", "max_new_tokens", "completion length (tokens)"),
                                    (1, "size", "params_m", "parameters (M)")):
         pts = [p for p in points if p["sweep"] == sweep]
+        if not pts:
+            continue
         xs = [p[key] for p in pts]
         for fw, style in (("polyrl", "o-"), ("trl", "s--")):
             axes[0, col].plot(xs, [p[f"{fw}_tokens_per_s"] for p in pts], style, label=fw)
@@ -294,10 +311,11 @@ def plot_scaling(points: list[dict], path: Path) -> None:
         for row in (0, 1):
             axes[row, col].set_xscale("log")
             axes[row, col].set_xlabel(label)
+        axes[0, col].set_yscale("log")
         axes[0, col].set_ylabel("generated tokens / s (whole step)")
         axes[1, col].set_ylabel("polyrl / TRL seconds per step")
         axes[0, col].legend()
-    fig.suptitle("polyrl vs TRL GRPO step, 1 CPU thread, float32")
+    fig.suptitle(f"polyrl vs TRL GRPO step, 1 CPU thread, float32 ({stop} completion lengths)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -331,7 +349,7 @@ def main() -> None:
         Path(sys.argv[3]).write_text(json.dumps(fn(spec)))
         return
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("what", choices=("demo", "scaling", "accuracy", "memory"))
+    ap.add_argument("what", choices=("demo", "scaling", "accuracy", "memory", "replot"))
     ap.add_argument("--trl-python", default=str(ROOT / ".venv-trl" / "bin" / "python"))
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=10, help="timed steps per round")
@@ -342,11 +360,18 @@ def main() -> None:
     ap.add_argument("--sizes", type=lambda s: [tuple(int(v) for v in x.split("x")) for x in s.split(",") if x],
                     default=[(128, 4), (320, 8), (640, 10)], help="hidden x layers, e.g. 128x4,320x8,640x10")
     ap.add_argument("--size-length", type=int, default=32, help="completion length of the size sweep")
+    ap.add_argument("--stop", choices=("natural", "fixed"), default="natural",
+                    help="scaling: completions stop at EOS (natural) or always run to the length (fixed)")
     ap.add_argument("--mem-hidden", type=int, default=640)
     ap.add_argument("--mem-layers", type=int, default=10)
     ap.add_argument("--mem-vocab", type=int, default=152064)
     ap.add_argument("--mem-length", type=int, default=512)
     args = ap.parse_args()
+    if args.what == "replot":  # redraw the scaling plots from their results files
+        for path in sorted(RESULTS.glob("scaling-*.json")):
+            result = json.loads(path.read_text())
+            plot_scaling(result["points"], path.with_suffix(".png"), result["stop"])
+        return
     if not Path(args.trl_python).exists():
         sys.exit(f"--trl-python {args.trl_python} not found: run `make trl-venv` first")
     with tempfile.TemporaryDirectory() as tmp:
@@ -359,22 +384,23 @@ def main() -> None:
             write("demo", result)
             show("polyrl vs TRL at the demo settings (8 prompts x 8, 8 new tokens, 1 thread)", [("demo", result)])
         elif args.what == "scaling":
-            points = []
+            points, fixed = [], args.stop == "fixed"
             for length in args.lengths:
-                model = scaling_model(Path(tmp) / f"len{length}", 128, 4)
+                model = scaling_model(Path(tmp) / f"len{length}", 128, 4, fixed=fixed)
                 spec = {**base, "model": model, "reward": "digits", "max_new_tokens": length}
                 points.append({"sweep": "length", "params_m": params_m(model),
                                **paired(spec, args.rounds, args.trl_python, f"length {length}")})
             for hidden, layers in args.sizes:
-                model = scaling_model(Path(tmp) / f"h{hidden}", hidden, layers)
+                model = scaling_model(Path(tmp) / f"h{hidden}", hidden, layers, fixed=fixed)
                 spec = {**base, "model": model, "reward": "digits", "max_new_tokens": args.size_length}
                 points.append({"sweep": "size", "params_m": params_m(model), "max_new_tokens": args.size_length,
                                **paired(spec, args.rounds, args.trl_python, f"hidden {hidden} x {layers} layers")})
             for p in points:
                 p.setdefault("max_new_tokens", p["spec"]["max_new_tokens"])
-            write("scaling", {"points": points})
-            plot_scaling(points, RESULTS / "scaling.png")
-            show("polyrl vs TRL: completion length (~1M model) and model size (32 tokens)",
+            write(f"scaling-{args.stop}", {"stop": args.stop, "points": points})
+            plot_scaling(points, RESULTS / f"scaling-{args.stop}.png", args.stop)
+            show(f"polyrl vs TRL ({args.stop} lengths): completion length (~1M model) and model size "
+                 f"({args.size_length} tokens)",
                  [(f"{p['sweep']} {p['max_new_tokens']} tok, {p['params_m']:.1f}M", p) for p in points])
         elif args.what == "accuracy":
             rows = json.loads(prompts.read_text())["test"]

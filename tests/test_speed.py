@@ -173,8 +173,9 @@ def test_micro_batches_pack_rows_by_length_under_the_token_cap():
     rows = torch.arange(6)
     plan = lambda **k: [m.tolist() for m in plan_micro_batches(lengths, rows, prompt_width=1, **k)]  # noqa: E731
     assert plan(max_rows=4, max_tokens=0) == [[0, 1, 2, 3], [4, 5]]  # no cap: consecutive chunks
-    # longest first (ties in order): widths 1 + 9 = 10 -> 2 rows in 20 tokens; then 1 + 5 -> 3 rows in 18 ...
-    assert plan(max_rows=4, max_tokens=20) == [[1, 3], [2, 5, 0], [4]]
+    # longest first (ties in order): 1 + 9 = 10 wide -> 2 rows in 20 tokens, then [2, 5, 0] in 18, then [4]: three
+    # micro-batches, and the same three with the rows dealt out evenly still keep the caps
+    assert plan(max_rows=4, max_tokens=20) == [[1, 3], [2, 5], [0, 4]]
     assert plan(max_rows=2, max_tokens=100) == [[1, 3], [2, 5], [0, 4]]  # the row cap still holds
     assert plan(max_rows=4, max_tokens=5) == [[1], [3], [2], [5], [0], [4]]  # never fewer than one row
     pairs = torch.tensor([7, 7, 8, 8, 9, 9])  # units that stay together (a preference pair's group)
