@@ -60,6 +60,19 @@ def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def reset_step_peak() -> None:
+    """Start a new resident-memory high-water mark (Linux: ``echo 5 > /proc/self/clear_refs``)."""
+    Path("/proc/self/clear_refs").write_text("5")
+
+
+def step_peak_mib() -> float:
+    """Peak resident memory since ``reset_step_peak`` (VmHWM), in MiB."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
 def worker_polyrl(spec: dict) -> dict:
     """Train with polyrl in this process; per-step phase times from its metrics file."""
     import io
@@ -73,6 +86,19 @@ def worker_polyrl(spec: dict) -> dict:
 
     rows = json.loads(Path(spec["prompts"]).read_text())
     reward = REWARDS[spec["reward"]]
+    import polyrl.trainer
+
+    step_peaks: list[float] = []
+    rl_step = polyrl.trainer.rl_step
+
+    def measured_step(*a, **k):  # each RL step's own resident-memory peak
+        reset_step_peak()
+        try:
+            return rl_step(*a, **k)
+        finally:
+            step_peaks.append(step_peak_mib())
+
+    polyrl.trainer.rl_step = measured_step
 
     class BenchTask:
         name = "bench"
@@ -107,6 +133,7 @@ def worker_polyrl(spec: dict) -> dict:
         "gen_tokens": [m["rollout/mean_len"] * spec["prompts_per_step"] * spec["group"] for m in steps],
         "summary": {k: v for k, v in summary.items() if isinstance(v, (int, float, str))},
         "peak_rss_mib": peak_rss_mib(),
+        "step_peak_mib": step_peaks[spec["warmup"]:],
     }
     if spec.get("save_final"):
         from polyrl.learner.sharded import export_hf
@@ -147,12 +174,16 @@ def worker_trl(spec: dict) -> dict:
     phases: dict[str, list[float]] = {"generate_s": [], "score_s": [], "prepare_s": []}
     step_s: list[float] = []
 
+    step_peaks: list[float] = []
+
     class Clock(TrainerCallback):
         def on_step_begin(self, *a, **k):
+            reset_step_peak()
             self.t0 = time.perf_counter()
 
         def on_step_end(self, *a, **k):
             step_s.append(time.perf_counter() - self.t0)
+            step_peaks.append(step_peak_mib())
 
     trainer = GRPOTrainer(model=model, reward_funcs=reward_fn, args=cfg, train_dataset=data, processing_class=tok,
                           callbacks=[Clock()])
@@ -186,6 +217,7 @@ def worker_trl(spec: dict) -> dict:
         "update_s": [s - p for s, p in zip(step_s[w:], phases["prepare_s"][w:])],
         "gen_tokens": tokens[w:],
         "peak_rss_mib": peak_rss_mib(),
+        "step_peak_mib": step_peaks[w:],
     }
     if spec.get("save_final"):
         trainer.save_model(spec["save_final"])
@@ -419,12 +451,13 @@ def main() -> None:
         elif args.what == "memory":
             model = scaling_model(Path(tmp) / "mem", args.mem_hidden, args.mem_layers, vocab_pad=args.mem_vocab)
             spec = {**base, "model": model, "reward": "digits", "max_new_tokens": args.mem_length,
-                    "prompts_per_step": 2, "group": 4, "steps": 1, "warmup": 0}
+                    "prompts_per_step": 2, "group": 4, "steps": 1, "warmup": 0, "eval_prompts": 1}
             result = {"params_m": params_m(model), "vocab": args.mem_vocab, "max_new_tokens": args.mem_length,
                       "rows": 8}
             for fw in ("polyrl", "trl"):
                 got = run_worker(fw, spec, sys.executable if fw == "polyrl" else args.trl_python)
-                result[f"{fw}_peak_rss_mib"] = got["peak_rss_mib"]
+                result[f"{fw}_step_peak_mib"] = got["step_peak_mib"][0]  # the training step's own peak
+                result[f"{fw}_process_peak_rss_mib"] = got["peak_rss_mib"]  # loading, evaluation, saving included
                 result[f"{fw}_step_s"] = got["step_s"][0]
             write("memory", result)
             print(json.dumps(result, indent=2))
