@@ -2,8 +2,9 @@
 
 transformers' ``DynamicLayer.update`` is ``torch.cat([keys, new])``: decode step t copies all t earlier keys and
 values of every layer, so a completion of length S moves O(S^2) cache bytes. With a tiny model on a CPU that copy
-is most of the decode time (64 rows, 128 new tokens, hidden 128: 64 % of it in ``aten::cat``, measured with
-``torch.profiler``). ``InPlaceLayer`` knows the longest the row can get (prompt width + max_new_tokens), allocates
+can be most of the decode time (64 rows, 128 new tokens, hidden 128: 64 % in ``aten::cat`` under ``torch.profiler``
+in a fresh process; less inside a long run, where the allocator reuses freed memory), and it grows with S^2.
+``InPlaceLayer`` knows the longest the row can get (prompt width + max_new_tokens), allocates
 that once, writes step t's keys into slot t and hands attention the view of the filled slots: attention sees the
 same keys as with concatenation (tests/test_speed.py checks the rollouts are the same), at O(S) copying.
 ``StaticCache`` also writes in place but attends over every slot, filled or not, and builds a full-length mask per
