@@ -49,7 +49,8 @@ class SpeedConfig:
     share_prompts: bool = field(default=True, metadata={"flag": "share_prompts"})
     """run each distinct prompt of a micro-batch once and its group's completions on top of its KV cache"""
     fused_adam: bool = field(default=True, metadata={"flag": "fused_adam"})
-    """AdamW's fused kernel (one pass over all parameters) instead of a loop over them"""
+    """the policy's AdamW runs torch's fused kernel (one pass over all parameters) instead of a loop over them (a
+    critic's AdamW keeps the default)"""
     micro_batch_tokens: int = field(default=4096, metadata={"flag": "micro_batch_tokens"})
     """pack training micro-batches by length: rows sorted longest first, at most this many tokens (rows x padded
     length) and micro_batch_size rows each, and every micro-batch cut to its own longest row (verl's dynamic batch
