@@ -3,9 +3,9 @@
 ``completion_logprobs`` is the only place where the trainer turns a model into per-token
 log-probs, entropies and top-K log-probs. It never materialises the full ``[B, T, V]`` float32
 logits: the base model runs once to give the final hidden states, and the LM head is applied to
-``chunk_size`` completion tokens at a time. When gradients are needed each chunk runs under
-``torch.utils.checkpoint``, so the backward pass recomputes one chunk's logits at a time instead
-of keeping every chunk's. The automatic chunk size makes one chunk's logits about as large as the
+``chunk_size`` completion tokens at a time. When gradients are needed the backward pass recomputes
+one chunk's logits at a time instead of keeping every chunk's, and adds the head's weight gradient
+into one buffer (``_ChunkedHead``). The automatic chunk size makes one chunk's logits about as large as the
 hidden states of the scored tokens (N * H elements), which are in memory anyway (the sizing rule
 of Liger-Kernel's fused linear cross-entropy). With a 152k vocabulary this is the difference
 between gigabytes and megabytes per micro-batch.
@@ -24,7 +24,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.utils.checkpoint import checkpoint
+from torch.autograd.function import once_differentiable
 
 from polyrl.shared_prompt import distinct_prompts, shared_prompt_states
 
@@ -147,11 +147,19 @@ def head_logits(states: Tensor, head: nn.Linear, *, fp32_head: bool = False, sof
     before the matmul instead of only upcasting its result. ``softcap`` (``logit_softcap(model)``)
     soft-caps the upcast logits as transformers does: ``softcap * tanh(logits / softcap)``.
     """
-    weight, bias = head.weight, head.bias
+    return _finish_logits(_head_matmul(states, head.weight, head.bias, fp32_head), softcap)
+
+
+def _head_matmul(states: Tensor, weight: Tensor, bias: Tensor | None, fp32_head: bool) -> Tensor:
+    """``states @ weight.T + bias``, in float32 when ``fp32_head``, else in the weights' dtype."""
     if fp32_head:
         states, weight = states.float(), weight.float()
         bias = bias.float() if bias is not None else None
-    logits = F.linear(states, weight, bias)
+    return F.linear(states, weight, bias)
+
+
+def _finish_logits(logits: Tensor, softcap: float | None) -> Tensor:
+    """Upcast head outputs to at least float32, then soft-cap them (``softcap * tanh(logits / softcap)``)."""
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
     if softcap is not None:
         logits = torch.tanh(logits / softcap) * softcap
@@ -238,23 +246,21 @@ def completion_logprobs(
 
     if chunk_size is None:  # one chunk's logits [n, V] about as large as the hidden states [N, H]
         chunk_size = max(MIN_AUTO_CHUNK, -(-states.shape[0] * head.in_features // head.out_features))
-    needs_graph = torch.is_grad_enabled() and (states.requires_grad or head.weight.requires_grad)
     settings = dict(
         temperature=temperature, top_k=top_k, top_p=top_p, with_entropy=with_entropy, topk=topk,
         fp32_head=fp32_head, softcap=logit_softcap(model),
     )
-    pieces: list[tuple[Tensor | None, ...]] = []
-    for start in range(0, states.shape[0], chunk_size):
-        args = (
-            states[start : start + chunk_size],
-            targets[start : start + chunk_size],
-            None if given_ids is None else given_ids[start : start + chunk_size],
-            head,
-        )
-        if needs_graph:
-            pieces.append(checkpoint(_head_chunk, *args, use_reentrant=False, **settings))
-        else:
-            pieces.append(_head_chunk(*args, **settings))
+    needs_graph = torch.is_grad_enabled() and (states.requires_grad or head.weight.requires_grad)
+    if needs_graph:
+        flat = _ChunkedHead.apply(states, head.weight, head.bias, targets, given_ids, chunk_size, settings)
+        pieces = [flat]  # outputs that were not asked for are empty and never read
+    else:
+        pieces = [
+            _head_chunk(states[i : i + chunk_size], targets[i : i + chunk_size],
+                        None if given_ids is None else given_ids[i : i + chunk_size], head.weight, head.bias,
+                        **settings)
+            for i in range(0, states.shape[0], chunk_size)
+        ]
 
     out_dtype = torch.promote_types(head.weight.dtype, torch.float32)
     k = given_ids.shape[-1] if given_ids is not None else topk
@@ -273,22 +279,107 @@ def completion_logprobs(
     )
 
 
+class _ChunkedHead(torch.autograd.Function):
+    """The LM head and per-token statistics of N tokens, chunk by chunk, recomputed chunk by chunk in backward.
+
+    Forward keeps only the hidden states [N, H] (and the top-K ids it chose). Backward recomputes one chunk's
+    logits at a time, takes the gradient of that chunk's statistics with respect to its logits [n, V] by autograd,
+    and applies the head's matmul gradients by hand: ``grad_states = grad_logits @ W`` and
+    ``grad_W += grad_logits.T @ states`` into one [V, H] buffer for the whole backward. Autograd over
+    per-chunk checkpoints would allocate a fresh [V, H] weight gradient per chunk and add it up (at a 152k
+    vocabulary, hundreds of MB written, page-faulted and freed per chunk); a frozen head (LoRA) gets no weight
+    gradient at all. Outputs not asked for are empty tensors.
+    """
+
+    @staticmethod
+    def forward(ctx, states, weight, bias, targets, given_ids, chunk_size, settings):
+        pieces = [
+            _head_chunk(states[i : i + chunk_size], targets[i : i + chunk_size],
+                        None if given_ids is None else given_ids[i : i + chunk_size], weight, bias, **settings)
+            for i in range(0, states.shape[0], chunk_size)
+        ]
+        empty = states.new_zeros((0,), dtype=torch.promote_types(weight.dtype, torch.float32))
+
+        def cat(index: int) -> Tensor | None:
+            values = [p[index] for p in pieces if p[index] is not None]
+            return torch.cat(values) if values else None
+
+        logp, entropy, ids, topk_logp = (cat(i) for i in range(4))
+        if logp is None:  # no token scored
+            logp = empty
+        ctx.save_for_backward(states, weight, bias, targets, ids)
+        ctx.chunk_size, ctx.settings = chunk_size, settings
+        no_ids = torch.zeros((0,), dtype=torch.long, device=states.device)
+        ctx.mark_non_differentiable(ids if ids is not None else no_ids)
+        return (logp, empty if entropy is None else entropy, no_ids if ids is None else ids,
+                empty if topk_logp is None else topk_logp)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_logp, grad_entropy, _grad_ids, grad_topk_logp):
+        states, weight, bias, targets, ids = ctx.saved_tensors
+        chunk, settings = ctx.chunk_size, ctx.settings
+        need_states, need_weight, need_bias = ctx.needs_input_grad[:3]
+        w = weight.float() if settings["fp32_head"] else weight
+        b = None if bias is None else (bias.float() if settings["fp32_head"] else bias)
+        grad_states = torch.zeros_like(states) if need_states else None
+        grad_w = torch.zeros_like(w) if need_weight else None
+        grad_b = torch.zeros_like(b) if need_bias and b is not None else None
+        stats = {k: v for k, v in settings.items() if k not in ("fp32_head", "softcap")}
+        for start in range(0, states.shape[0], chunk):
+            rows = slice(start, start + chunk)
+            s = states[rows].to(w.dtype)
+            with torch.no_grad():
+                z = F.linear(s, w, b)  # [n, V]
+            z.requires_grad_(True)
+            with torch.enable_grad():
+                logits = _finish_logits(z, settings["softcap"])
+                outs = _chunk_stats(logits, targets[rows], None if ids is None else ids[rows], **stats)
+                pairs = [(outs[0], grad_logp[rows])]
+                if outs[1] is not None:
+                    pairs.append((outs[1], grad_entropy[rows]))
+                if outs[3] is not None:
+                    pairs.append((outs[3], grad_topk_logp[rows]))
+                (grad_z,) = torch.autograd.grad([o for o, _ in pairs], [z], [g.to(o.dtype) for o, g in pairs])
+            grad_z = grad_z.to(w.dtype)
+            if grad_states is not None:
+                grad_states[rows] = grad_z @ w
+            if grad_w is not None:
+                grad_w.addmm_(grad_z.t(), s)
+            if grad_b is not None:
+                grad_b += grad_z.sum(0)
+        to = lambda g, like: None if g is None else g.to(like.dtype)  # noqa: E731
+        return grad_states, to(grad_w, weight), to(grad_b, bias), None, None, None, None
+
+
 def _head_chunk(
     states: Tensor,
     targets: Tensor,
     given_ids: Tensor | None,
-    head: nn.Linear,
+    weight: Tensor,
+    bias: Tensor | None,
+    *,
+    fp32_head: bool,
+    softcap: float | None,
+    **stats,
+) -> tuple[Tensor | None, ...]:
+    """Head, sampling filters and per-token statistics for N tokens: (logp, entropy, ids, topk_logp)."""
+    logits = _finish_logits(_head_matmul(states, weight, bias, fp32_head), softcap)  # [N, V]
+    return _chunk_stats(logits, targets, given_ids, **stats)
+
+
+def _chunk_stats(
+    logits: Tensor,
+    targets: Tensor,
+    given_ids: Tensor | None,
     *,
     temperature: float,
     top_k: int | None,
     top_p: float | None,
     with_entropy: bool,
     topk: int,
-    fp32_head: bool,
-    softcap: float | None,
 ) -> tuple[Tensor | None, ...]:
-    """Head, sampling filters and per-token statistics for N tokens: (logp, entropy, ids, topk_logp)."""
-    logits = head_logits(states, head, fp32_head=fp32_head, softcap=softcap)  # [N, V]
+    """Sampling filters and per-token statistics of logits [N, V]: (logp, entropy, ids, topk_logp)."""
     logprobs = process_logits(logits, temperature=temperature, top_k=top_k, top_p=top_p).log_softmax(dim=-1)
     logp = logprobs.gather(-1, targets[:, None]).squeeze(-1)  # [N]
     entropy = None

@@ -240,3 +240,46 @@ def test_load_policy_errors_name_the_path(model_dir, tmp_path):
         load_policy(tmp_path)
     with pytest.raises(ValueError, match="dtype"):
         load_policy(model_dir, dtype="int8")
+
+
+@pytest.mark.parametrize("case", ["bias+softcap+topk", "filters+given_ids", "frozen head", "bias only, no entropy"])
+def test_chunked_head_gradients_equal_plain_autograd(case):
+    """_ChunkedHead's hand-written backward (head matmul gradients accumulated into one buffer, chunk by chunk)
+    equals autograd through the unchunked head, for every output it returns, with a bias, a soft-cap, top-K,
+    sampling filters, given ids, and a frozen head (no weight gradient, the states' still exact)."""
+    from polyrl.model import _ChunkedHead, _head_chunk
+
+    gen = torch.Generator().manual_seed(3)
+    n, hidden, vocab = 11, 6, 23
+    states = torch.randn(n, hidden, dtype=torch.float64, generator=gen, requires_grad=True)
+    weight = torch.randn(vocab, hidden, dtype=torch.float64, generator=gen, requires_grad=case != "frozen head")
+    bias = torch.randn(vocab, dtype=torch.float64, generator=gen, requires_grad=True) if "bias" in case else None
+    targets = torch.randint(0, vocab, (n,), generator=gen)
+    given = torch.randint(0, vocab, (n, 3), generator=gen) if "given" in case else None
+    settings = dict(temperature=0.7, top_k=None, top_p=None, with_entropy="no entropy" not in case,
+                    topk=4 if "topk" in case else 0, fp32_head=False, softcap=5.0 if "softcap" in case else None)
+    if "filters" in case:  # keep every target inside the filters: its log-prob is finite
+        settings.update(top_k=20, top_p=0.95)
+    inputs = [t for t in (states, weight, bias) if t is not None and t.requires_grad]
+    weights = [torch.randn(n, *shape, dtype=torch.float64, generator=gen) for shape in ((), (), (4,), (3,))]
+
+    def loss(outs):
+        total = (outs[0] * weights[0]).nan_to_num(neginf=0.0).sum()
+        if settings["with_entropy"]:
+            total = total + (outs[1] * weights[1]).sum()
+        if outs[3] is not None and outs[3].numel():
+            k = outs[3].shape[-1]
+            total = total + (outs[3] * weights[2 if k == 4 else 3]).nan_to_num(neginf=0.0).sum()
+        return total
+
+    chunked = _ChunkedHead.apply(states, weight, bias, targets, given, 4, settings)  # 3 chunks: 4 + 4 + 3
+    plain = _head_chunk(states, targets, given, weight, bias, **settings)
+    torch.testing.assert_close(chunked[0], plain[0], rtol=0, atol=1e-12)
+    if plain[2] is not None:
+        assert torch.equal(chunked[2], plain[2])
+    got = torch.autograd.grad(loss(chunked), inputs)
+    want = torch.autograd.grad(loss(plain), inputs)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12)
+    if case == "frozen head":
+        assert weight.grad is None and len(inputs) == 1
