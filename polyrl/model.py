@@ -309,6 +309,7 @@ class _ChunkedHead(torch.autograd.Function):
             logp = empty
         ctx.save_for_backward(states, weight, bias, targets, ids)
         ctx.chunk_size, ctx.settings = chunk_size, settings
+        ctx.set_materialize_grads(False)  # an output the loss does not use (a metric) gets None: not recomputed
         no_ids = torch.zeros((0,), dtype=torch.long, device=states.device)
         ctx.mark_non_differentiable(ids if ids is not None else no_ids)
         return (logp, empty if entropy is None else entropy, no_ids if ids is None else ids,
@@ -326,6 +327,13 @@ class _ChunkedHead(torch.autograd.Function):
         grad_w = torch.zeros_like(w) if need_weight else None
         grad_b = torch.zeros_like(b) if need_bias and b is not None else None
         stats = {k: v for k, v in settings.items() if k not in ("fp32_head", "softcap")}
+        stats["with_entropy"] = settings["with_entropy"] and grad_entropy is not None
+        wanted = [(0, grad_logp), (1, grad_entropy if stats["with_entropy"] else None), (3, grad_topk_logp)]
+        wanted = [(index, grad) for index, grad in wanted if grad is not None]
+        if ids is None or grad_topk_logp is None:
+            ids, stats["topk"] = None, 0
+        if not wanted:
+            return None, None, None, None, None, None, None
         for start in range(0, states.shape[0], chunk):
             rows = slice(start, start + chunk)
             s = states[rows].to(w.dtype)
@@ -335,11 +343,7 @@ class _ChunkedHead(torch.autograd.Function):
             with torch.enable_grad():
                 logits = _finish_logits(z, settings["softcap"])
                 outs = _chunk_stats(logits, targets[rows], None if ids is None else ids[rows], **stats)
-                pairs = [(outs[0], grad_logp[rows])]
-                if outs[1] is not None:
-                    pairs.append((outs[1], grad_entropy[rows]))
-                if outs[3] is not None:
-                    pairs.append((outs[3], grad_topk_logp[rows]))
+                pairs = [(outs[index], grad[rows]) for index, grad in wanted]
                 (grad_z,) = torch.autograd.grad([o for o, _ in pairs], [z], [g.to(o.dtype) for o, g in pairs])
             grad_z = grad_z.to(w.dtype)
             if grad_states is not None:

@@ -242,11 +242,13 @@ def test_load_policy_errors_name_the_path(model_dir, tmp_path):
         load_policy(model_dir, dtype="int8")
 
 
-@pytest.mark.parametrize("case", ["bias+softcap+topk", "filters+given_ids", "frozen head", "bias only, no entropy"])
+@pytest.mark.parametrize("case", ["bias+softcap+topk", "filters+given_ids", "frozen head", "bias only, no entropy",
+                                  "entropy unused by the loss"])
 def test_chunked_head_gradients_equal_plain_autograd(case):
     """_ChunkedHead's hand-written backward (head matmul gradients accumulated into one buffer, chunk by chunk)
     equals autograd through the unchunked head, for every output it returns, with a bias, a soft-cap, top-K,
-    sampling filters, given ids, and a frozen head (no weight gradient, the states' still exact)."""
+    sampling filters, given ids, a frozen head (no weight gradient, the states' still exact), and an entropy that
+    the loss does not use (a metric: backward skips it)."""
     from polyrl.model import _ChunkedHead, _head_chunk
 
     gen = torch.Generator().manual_seed(3)
@@ -265,7 +267,7 @@ def test_chunked_head_gradients_equal_plain_autograd(case):
 
     def loss(outs):
         total = (outs[0] * weights[0]).nan_to_num(neginf=0.0).sum()
-        if settings["with_entropy"]:
+        if settings["with_entropy"] and "unused" not in case:
             total = total + (outs[1] * weights[1]).sum()
         if outs[3] is not None and outs[3].numel():
             k = outs[3].shape[-1]
