@@ -150,12 +150,35 @@ def head_logits(states: Tensor, head: nn.Linear, *, fp32_head: bool = False, sof
     return _finish_logits(_head_matmul(states, head.weight, head.bias, fp32_head), softcap)
 
 
+def float32_head(head: nn.Linear) -> nn.Linear:
+    """A float32 copy of a lower-precision LM head without gradients (the head itself when it is float32 already).
+
+    A loop that applies the head at every token with ``fp32_head`` (the sampler) multiplies by this copy, made
+    once, instead of casting a [V, H] weight at every call.
+    """
+    if head.weight.dtype == torch.float32:
+        return head
+    copy = torch.nn.utils.skip_init(nn.Linear, head.in_features, head.out_features, bias=head.bias is not None,
+                                    device=head.weight.device, dtype=torch.float32)
+    with torch.no_grad():
+        copy.weight.copy_(head.weight)
+        if head.bias is not None:
+            copy.bias.copy_(head.bias)
+    return copy.requires_grad_(False)
+
+
+def _head_weights(weight: Tensor, bias: Tensor | None, fp32_head: bool) -> tuple[Tensor, Tensor | None]:
+    """The head's weight and bias as the matmul uses them: float32 copies when ``fp32_head``. Cast them once
+    per call rather than once per chunk or token (a [V, H] copy each time for a bfloat16 model)."""
+    if not fp32_head:
+        return weight, bias
+    return weight.float(), None if bias is None else bias.float()
+
+
 def _head_matmul(states: Tensor, weight: Tensor, bias: Tensor | None, fp32_head: bool) -> Tensor:
     """``states @ weight.T + bias``, in float32 when ``fp32_head``, else in the weights' dtype."""
-    if fp32_head:
-        states, weight = states.float(), weight.float()
-        bias = bias.float() if bias is not None else None
-    return F.linear(states, weight, bias)
+    weight, bias = _head_weights(weight, bias, fp32_head)  # no copy when they already are float32
+    return F.linear(states.float() if fp32_head else states, weight, bias)
 
 
 def _finish_logits(logits: Tensor, softcap: float | None) -> Tensor:
@@ -255,10 +278,10 @@ def completion_logprobs(
         flat = _ChunkedHead.apply(states, head.weight, head.bias, targets, given_ids, chunk_size, settings)
         pieces = [flat]  # outputs that were not asked for are empty and never read
     else:
+        weight, bias = _head_weights(head.weight, head.bias, fp32_head)  # cast once, not once per chunk
         pieces = [
             _head_chunk(states[i : i + chunk_size], targets[i : i + chunk_size],
-                        None if given_ids is None else given_ids[i : i + chunk_size], head.weight, head.bias,
-                        **settings)
+                        None if given_ids is None else given_ids[i : i + chunk_size], weight, bias, **settings)
             for i in range(0, states.shape[0], chunk_size)
         ]
 
@@ -293,9 +316,10 @@ class _ChunkedHead(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, states, weight, bias, targets, given_ids, chunk_size, settings):
+        w, b = _head_weights(weight, bias, settings["fp32_head"])  # cast once, not once per chunk
         pieces = [
             _head_chunk(states[i : i + chunk_size], targets[i : i + chunk_size],
-                        None if given_ids is None else given_ids[i : i + chunk_size], weight, bias, **settings)
+                        None if given_ids is None else given_ids[i : i + chunk_size], w, b, **settings)
             for i in range(0, states.shape[0], chunk_size)
         ]
         empty = states.new_zeros((0,), dtype=torch.promote_types(weight.dtype, torch.float32))
@@ -321,8 +345,7 @@ class _ChunkedHead(torch.autograd.Function):
         states, weight, bias, targets, ids = ctx.saved_tensors
         chunk, settings = ctx.chunk_size, ctx.settings
         need_states, need_weight, need_bias = ctx.needs_input_grad[:3]
-        w = weight.float() if settings["fp32_head"] else weight
-        b = None if bias is None else (bias.float() if settings["fp32_head"] else bias)
+        w, b = _head_weights(weight, bias, settings["fp32_head"])
         grad_states = torch.zeros_like(states) if need_states else None
         grad_w = torch.zeros_like(w) if need_weight else None
         grad_b = torch.zeros_like(b) if need_bias and b is not None else None

@@ -104,6 +104,27 @@ def test_rollout_logprobs_equal_recomputed(policy, sampling):
     assert {s.finish_reason for s in samples} == {"stop", "length"}
 
 
+def test_fp32_head_is_cast_once_with_the_same_rollouts(policy, monkeypatch):
+    """With fp32_head on a bfloat16 model the sampler multiplies by one float32 copy of the head per call
+    (float32_head): the rollouts equal those of casting the bfloat16 head at every token, as before."""
+    import polyrl.rollout.hf as hf
+
+    model, tokenizer = policy
+    bf16 = type(model)(model.config).to(torch.bfloat16).eval()
+    bf16.load_state_dict(model.state_dict())
+    params = SamplingParams(n=3, max_new_tokens=6, temperature=1.0, seed=5)
+    copies = []
+    real = hf.float32_head
+    monkeypatch.setattr(hf, "float32_head", lambda head: copies.append(head) or real(head))
+    once = HFGenerator(bf16, tokenizer, fp32_head=True).generate(PROMPTS, params)
+    assert len(copies) == 1 and copies[0].weight.dtype == torch.bfloat16
+    monkeypatch.setattr(hf, "float32_head", lambda head: head)  # the bfloat16 head, cast by head_logits each call
+    every = HFGenerator(bf16, tokenizer, fp32_head=True).generate(PROMPTS, params)
+    assert [s.completion_token_ids for s in once] == [s.completion_token_ids for s in every]
+    for a, b in zip(once, every):
+        assert torch.equal(torch.as_tensor(a.logprobs), torch.as_tensor(b.logprobs))
+
+
 def test_samples_are_consistent_and_seeded(policy):
     model, tokenizer = policy
     generator = HFGenerator(model, tokenizer)

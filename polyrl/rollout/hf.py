@@ -36,7 +36,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from polyrl.model import head_logits, linear_head, logit_softcap, process_logits
+from polyrl.model import float32_head, head_logits, linear_head, logit_softcap, process_logits
 from polyrl.rollout.agency.arbiter import AgencyArbiter
 from polyrl.rollout.generator import Sample, SamplingParams, draw_tokens
 from polyrl.rollout.kv_cache import decode_cache
@@ -68,6 +68,7 @@ class HFGenerator:
         # The filler of padded slots is never attended to; any valid id works.
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_ids[0]
         self.arbiter: AgencyArbiter | None = None  # agency transfer: mix a frozen baseline into sampling
+        self._heads: dict[int, nn.Module] = {}  # id(model) -> the head a decode call multiplies by (float32_head)
 
     def load_weights(self, state_dict: dict[str, Tensor]) -> None:
         """Copy the trainer's weights into the sampling model (strict: names and shapes must match)."""
@@ -157,9 +158,12 @@ class HFGenerator:
         next_position = position_ids[:, -1] + 1  # [n]
         shared = distinct_prompts(input_ids, attention_mask, 0)  # a group's rows share one prefill
         cache = decode_cache(self.model.config, width + steps)  # keys written in place, not concatenated
+        self._heads = {id(self.model): float32_head(self.head) if self.fp32_head else self.head}  # cast once
         logits = self._prefill(input_ids, attention_mask, position_ids, cache, shared)
         if arbiter is not None:
             mix = arbiter.start(coins[:, 0])
+            base_head = linear_head(arbiter.baseline)
+            self._heads[id(arbiter.baseline)] = float32_head(base_head) if self.fp32_head else base_head
             base_cache = decode_cache(arbiter.baseline.config, width + steps)
             base_logits = self._prefill(input_ids, attention_mask, position_ids, base_cache, shared, arbiter.baseline)
         for step in range(steps):
@@ -217,11 +221,8 @@ class HFGenerator:
             use_cache=True,
             **{cache_keyword(type(model.base_model)): cache},
         ).last_hidden_state[:, -1]
-        if model is self.model:
-            head, softcap = self.head, self.softcap
-        else:
-            head, softcap = linear_head(model), logit_softcap(model)
-        return head_logits(hidden, head, fp32_head=self.fp32_head, softcap=softcap)
+        softcap = self.softcap if model is self.model else logit_softcap(model)
+        return head_logits(hidden, self._heads[id(model)], fp32_head=self.fp32_head, softcap=softcap)
 
 
 def _processed(logits: Tensor, params: SamplingParams) -> Tensor:
