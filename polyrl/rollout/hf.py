@@ -195,6 +195,7 @@ class HFGenerator:
                 base_logits = self._next_logits(token[:, None], attention_mask, next_position[:, None], base_cache,
                                                 arbiter.baseline)
             next_position = next_position + 1
+        self._heads = {}  # a float32 copy of the head is not kept between calls
         from_b = mix.baseline_tokens if arbiter is not None else torch.zeros(count, dtype=torch.long)
         return tokens.cpu(), logps.cpu(), lengths.cpu(), stopped.cpu(), from_b.cpu(), sq.cpu()
 
