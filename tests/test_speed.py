@@ -146,6 +146,25 @@ def test_an_in_place_layer_refuses_more_tokens_than_its_capacity():
         layer.update(torch.ones(1, 1, 1, 4), torch.ones(1, 1, 1, 4))
 
 
+def test_in_place_rows_follow_any_selection_and_finished_rows_move_the_fewest():
+    from polyrl.rollout.kv_cache import InPlaceLayer, fill_order
+
+    finished = torch.tensor([False, True, False, True, False, False, True])
+    order = fill_order(finished)
+    assert order.tolist() == [0, 4, 2, 5]  # slots 1 and 3 take the live rows 4 and 5; rows 0 and 2 stay
+    rows = torch.arange(7.0).reshape(7, 1, 1, 1).expand(7, 2, 3, 4)  # row r holds the value r
+    for indices in (order, torch.tensor([3, 0, 1]), torch.tensor([2, 2, 0, 1, 0, 2, 1, 3, 4])):  # gather-then-write
+        layer = InPlaceLayer(capacity=5)
+        layer.update(rows.clone(), -rows)
+        layer.batch_select_indices(indices)
+        expected = indices.float().reshape(-1, 1, 1, 1).expand(-1, 2, 3, 4)
+        assert layer.keys.shape == (len(indices), 2, 3, 4)
+        torch.testing.assert_close(layer.keys, expected, rtol=0, atol=0)
+        torch.testing.assert_close(layer.values, -expected, rtol=0, atol=0)
+        keys, _ = layer.update(torch.full((len(indices), 2, 1, 4), 9.0), torch.zeros(len(indices), 2, 1, 4))
+        assert keys.shape[2] == 4 and keys[:, :, 3].eq(9).all() and keys[:, :, :3].equal(expected)
+
+
 def test_fused_adamw_takes_the_loop_implementations_steps():
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))

@@ -39,7 +39,7 @@ from torch import Tensor, nn
 from polyrl.model import float32_head, head_logits, linear_head, logit_softcap, process_logits
 from polyrl.rollout.agency.arbiter import AgencyArbiter
 from polyrl.rollout.generator import Sample, SamplingParams, draw_tokens
-from polyrl.rollout.kv_cache import decode_cache
+from polyrl.rollout.kv_cache import decode_cache, fill_order
 from polyrl.shared_prompt import cache_keyword, distinct_prompts
 from polyrl.tasks.chat import prompt_ids as encode_prompts
 
@@ -183,7 +183,7 @@ class HFGenerator:
             if step == steps - 1 or bool(finished.all()):
                 break
             if bool(finished.any()):
-                live = (~finished).nonzero().squeeze(1)
+                live = fill_order(finished)  # the live rows, ordered to move the fewest cache rows
                 rows, token, next_position = rows[live], token[live], next_position[live]
                 attention_mask = attention_mask[live]
                 cache.batch_select_indices(live)

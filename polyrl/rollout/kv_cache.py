@@ -43,9 +43,30 @@ class InPlaceLayer(DynamicLayer):
         return self.keys, self.values
 
     def batch_select_indices(self, indices: Tensor) -> None:
-        if self.is_initialized:
-            self._keys, self._values = self._keys[indices], self._values[indices]
-            self.keys, self.values = self._keys[:, :, : self.filled], self._values[:, :, : self.filled]
+        """Keep rows ``indices`` (new row i = old row ``indices[i]``), copying only filled slots.
+
+        A selection no longer than the batch (finished rows leaving) moves, inside the same buffer, only the rows
+        whose slot changes: with ``fill_order`` that is one row per finished row, not every row after it. A longer
+        one (a prompt's cache gathered out to its rows) fills a new buffer. The source rows are gathered before
+        any slot is written, so any selection is safe.
+        """
+        if not self.is_initialized:
+            return
+        count, filled = indices.shape[0], self.filled
+        if count > self._keys.shape[0]:
+            keys = self._keys.new_empty((count, *self._keys.shape[1:]))
+            values = self._values.new_empty((count, *self._values.shape[1:]))
+            keys[:, :, :filled] = self._keys[indices, :, :filled]
+            values[:, :, :filled] = self._values[indices, :, :filled]
+            self._keys, self._values = keys, values
+        else:
+            moved = (indices != torch.arange(count, device=indices.device)).nonzero().squeeze(1)
+            if moved.numel():
+                source = indices[moved]
+                self._keys[moved, :, :filled] = self._keys[source, :, :filled]
+                self._values[moved, :, :filled] = self._values[source, :, :filled]
+            self._keys, self._values = self._keys[:count], self._values[:count]
+        self.keys, self.values = self._keys[:, :, :filled], self._values[:, :, :filled]
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self.batch_select_indices(beam_idx.to(self.device) if self.is_initialized else beam_idx)
@@ -57,3 +78,18 @@ def decode_cache(config, capacity: int) -> DynamicCache:
     cache = DynamicCache(config=config)
     cache.layers = [InPlaceLayer(capacity) if type(layer) is DynamicLayer else layer for layer in cache.layers]
     return cache
+
+
+def fill_order(finished: Tensor) -> Tensor:
+    """The rows to keep [live] when the ``finished`` [n] rows leave a decode batch, ordered to move the fewest.
+
+    Each finished row among the first ``live`` slots takes one of the live rows past them; every other live row
+    keeps its slot. Rows decode independently (the sampler indexes its per-row state by original row id), so the
+    order changes no rollout, and ``InPlaceLayer.batch_select_indices`` then copies one row per finished row
+    instead of shifting every row after the first finished one down by one.
+    """
+    live = (~finished).nonzero().squeeze(1)
+    count = live.shape[0]
+    order = torch.arange(count, device=finished.device)
+    order[finished[:count].nonzero().squeeze(1)] = live[live >= count]
+    return order
