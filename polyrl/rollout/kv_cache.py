@@ -7,6 +7,9 @@ in a fresh process; less inside a long run, where the allocator reuses freed mem
 ``InPlaceLayer`` knows the longest the row can get (prompt width + max_new_tokens), allocates
 that once, writes step t's keys into slot t and hands attention the view of the filled slots: attention sees the
 same keys as with concatenation (tests/test_speed.py checks the rollouts are the same), at O(S) copying.
+When rows finish, each finished row's slot takes one of the last live rows (``fill_order``), copying only filled
+slots: gathering every row's whole buffer instead cost about 12 ms per finish event at 64 rows (8 buffers), two
+decode steps' worth, and decoding 8 x 8 rows up to 128 tokens (mean 73) took 0.86-0.99 s instead of 0.61-0.72 s.
 ``StaticCache`` also writes in place but attends over every slot, filled or not, and builds a full-length mask per
 step: slower than concatenation at these sizes (measured), so it is not used.
 """
