@@ -6,6 +6,7 @@
                                                    # (--stop natural: completions end at EOS; --stop fixed: never)
     .venv/bin/python benchmarks/vs_trl.py accuracy # held-out accuracy after 200 steps, 3 seeds each
     .venv/bin/python benchmarks/vs_trl.py memory   # peak memory of one training step, ~50M model, vocab 152k, T=512
+    .venv/bin/python benchmarks/vs_trl.py profile  # torch.profiler's operator table of both, over the timed steps
 
 What is matched: the same saved model directory, prompts, reward and sampling (temperature 1, no top-p/top-k);
 the objective is GRPO with group z-scored advantages (std + 1e-4, TRL's ``scale_rewards="group"``), PPO clip 0.2,
@@ -40,6 +41,33 @@ ROOT = HERE.parent
 RESULTS = HERE / "results" / "vs_trl"
 DIGITS = set("0123456789")
 
+
+
+class StepProfiler:
+    """``torch.profiler`` over the timed steps only (the first ``warmup`` steps are skipped); ``path`` None: off.
+
+    ``step()`` is called after every RL step; ``finish()`` writes the operators' table, sorted by self CPU time,
+    to ``path`` (the same table for both frameworks, so the two files compare line by line)."""
+
+    def __init__(self, path: str | None, warmup: int, steps: int):
+        self.path, self.prof = path, None
+        if path:
+            from torch.profiler import ProfilerActivity, profile, schedule
+
+            self.prof = profile(activities=[ProfilerActivity.CPU],
+                                schedule=schedule(wait=warmup, warmup=0, active=steps, repeat=1))
+            self.prof.start()
+
+    def step(self) -> None:
+        if self.prof is not None:
+            self.prof.step()
+
+    def finish(self) -> None:
+        if self.prof is not None:
+            self.prof.stop()
+            ops = self.prof.key_averages()
+            Path(self.path).write_text(ops.table(sort_by="self_cpu_time_total", row_limit=20, max_name_column_width=60)
+                                       + "\n")
 
 # ----------------------------------------------------------------------------------------------- the two workers
 def exact_reward(completion: str, answer: str) -> float:
@@ -90,6 +118,7 @@ def worker_polyrl(spec: dict) -> dict:
 
     step_peaks: list[float] = []
     rl_step = polyrl.trainer.rl_step
+    profiler = StepProfiler(spec.get("profile"), spec["warmup"], spec["steps"])
 
     def measured_step(*a, **k):  # each RL step's own resident-memory peak
         reset_step_peak()
@@ -97,6 +126,7 @@ def worker_polyrl(spec: dict) -> dict:
             return rl_step(*a, **k)
         finally:
             step_peaks.append(step_peak_mib())
+            profiler.step()
 
     polyrl.trainer.rl_step = measured_step
 
@@ -123,6 +153,7 @@ def worker_polyrl(spec: dict) -> dict:
     run_dir = spec["out_dir"]
     summary = train(cfg, method, model_dir=spec["model"], task=BenchTask(), run_dir=run_dir,
                     console=Console(file=io.StringIO()))
+    profiler.finish()
     metrics = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
     steps = [m for m in metrics if "perf/step_seconds" in m][spec["warmup"]:]
     out = {
@@ -175,6 +206,7 @@ def worker_trl(spec: dict) -> dict:
     step_s: list[float] = []
 
     step_peaks: list[float] = []
+    profiler = StepProfiler(spec.get("profile"), spec["warmup"], spec["steps"])
 
     class Clock(TrainerCallback):
         def on_step_begin(self, *a, **k):
@@ -184,6 +216,7 @@ def worker_trl(spec: dict) -> dict:
         def on_step_end(self, *a, **k):
             step_s.append(time.perf_counter() - self.t0)
             step_peaks.append(step_peak_mib())
+            profiler.step()
 
     trainer = GRPOTrainer(model=model, reward_funcs=reward_fn, args=cfg, train_dataset=data, processing_class=tok,
                           callbacks=[Clock()])
@@ -209,6 +242,7 @@ def worker_trl(spec: dict) -> dict:
 
     trainer._generate_and_score_completions = counted
     trainer.train()
+    profiler.finish()
     w = spec["warmup"]
     out = {
         "step_s": step_s[w:],
@@ -381,7 +415,7 @@ def main() -> None:
         Path(sys.argv[3]).write_text(json.dumps(fn(spec)))
         return
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("what", choices=("demo", "scaling", "accuracy", "memory", "replot"))
+    ap.add_argument("what", choices=("demo", "scaling", "accuracy", "memory", "profile", "replot"))
     ap.add_argument("--trl-python", default=str(ROOT / ".venv-trl" / "bin" / "python"))
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=10, help="timed steps per round")
@@ -394,6 +428,8 @@ def main() -> None:
     ap.add_argument("--size-length", type=int, default=32, help="completion length of the size sweep")
     ap.add_argument("--stop", choices=("natural", "fixed"), default="natural",
                     help="scaling: completions stop at EOS (natural) or always run to the length (fixed)")
+    ap.add_argument("--profile-length", type=int, default=0,
+                    help="profile: 0 profiles the demo settings, N > 0 the natural-length scaling model at N tokens")
     ap.add_argument("--mem-hidden", type=int, default=640)
     ap.add_argument("--mem-layers", type=int, default=10)
     ap.add_argument("--mem-vocab", type=int, default=152064)
@@ -448,6 +484,21 @@ def main() -> None:
             result["start"] = greedy_accuracy(demo_model(), rows)
             write("accuracy", result)
             print(json.dumps(result, indent=2))
+        elif args.what == "profile":
+            if args.profile_length:
+                model = scaling_model(Path(tmp) / "prof", 128, 4, fixed=False)
+                spec = {**base, "model": model, "reward": "digits", "max_new_tokens": args.profile_length}
+            else:
+                spec = {**base, "model": demo_model()}
+            name = f"profile-{args.profile_length or 'demo'}"
+            RESULTS.mkdir(parents=True, exist_ok=True)
+            for fw in ("polyrl", "trl"):
+                table = RESULTS / f"{name}-{fw}.txt"
+                got = run_worker(fw, {**spec, "profile": str(table)}, sys.executable if fw == "polyrl" else
+                                 args.trl_python)
+                print(f"{fw}: {med(got['step_s']):.3f} s/step under the profiler "
+                      f"(generate {med(got['generate_s']):.3f} s, update {med(got['update_s']):.3f} s)")
+                print(table.read_text())
         elif args.what == "memory":
             model = scaling_model(Path(tmp) / "mem", args.mem_hidden, args.mem_layers, vocab_pad=args.mem_vocab)
             spec = {**base, "model": model, "reward": "digits", "max_new_tokens": args.mem_length,
