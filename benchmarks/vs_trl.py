@@ -18,9 +18,10 @@ gradient-norm clip 1.0, float32 (TRL ``bf16=False``: its CPU default autocasts t
 median of each phase and the per-round ratio polyrl/TRL of seconds per step (median, min, max): compare the two
 numbers of one run, not numbers across runs.
 
-The scaling models are random-initialised tiny Llamas whose tokenizer's EOS id lies outside the model's
-vocabulary, so every completion is exactly ``max_new_tokens`` long on both sides (a fixed-length task; the reward
-is the completion's share of digits, so advantages are not zero).
+The scaling models are random-initialised tiny Llamas (``scaling_model``); the reward is the completion's share of
+digits, so advantages are not zero. ``--stop natural`` (the default): EOS is one of the 86 tokens, so completions
+end at EOS with lengths that vary up to ``max_new_tokens``, as a policy's do. ``--stop fixed``: the tokenizer's EOS id
+lies outside the model's vocabulary, so every completion is exactly ``max_new_tokens`` long on both sides.
 """
 
 from __future__ import annotations
