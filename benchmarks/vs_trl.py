@@ -43,33 +43,6 @@ RESULTS = HERE / "results" / "vs_trl"
 DIGITS = set("0123456789")
 
 
-
-class StepProfiler:
-    """``torch.profiler`` over the timed steps only (the first ``warmup`` steps are skipped); ``path`` None: off.
-
-    ``step()`` is called after every RL step; ``finish()`` writes the operators' table, sorted by self CPU time,
-    to ``path`` (the same table for both frameworks, so the two files compare line by line)."""
-
-    def __init__(self, path: str | None, warmup: int, steps: int):
-        self.path, self.prof = path, None
-        if path:
-            from torch.profiler import ProfilerActivity, profile, schedule
-
-            self.prof = profile(activities=[ProfilerActivity.CPU],
-                                schedule=schedule(wait=warmup, warmup=0, active=steps, repeat=1))
-            self.prof.start()
-
-    def step(self) -> None:
-        if self.prof is not None:
-            self.prof.step()
-
-    def finish(self) -> None:
-        if self.prof is not None:
-            self.prof.stop()
-            ops = self.prof.key_averages()
-            Path(self.path).write_text(ops.table(sort_by="self_cpu_time_total", row_limit=20, max_name_column_width=60)
-                                       + "\n")
-
 # ----------------------------------------------------------------------------------------------- the two workers
 def exact_reward(completion: str, answer: str) -> float:
     return 1.0 if completion.strip() == answer else 0.0
@@ -100,6 +73,33 @@ def step_peak_mib() -> float:
         if line.startswith("VmHWM:"):
             return int(line.split()[1]) / 1024
     return float("nan")
+
+
+class StepProfiler:
+    """``torch.profiler`` over the timed steps only (the first ``warmup`` steps are skipped); ``path`` None: off.
+
+    ``step()`` is called after every RL step; ``finish()`` writes the operators' table, sorted by self CPU time,
+    to ``path`` (the same table for both frameworks, so the two files compare line by line)."""
+
+    def __init__(self, path: str | None, warmup: int, steps: int):
+        self.path, self.prof = path, None
+        if path:
+            from torch.profiler import ProfilerActivity, profile, schedule
+
+            self.prof = profile(activities=[ProfilerActivity.CPU],
+                                schedule=schedule(wait=warmup, warmup=0, active=steps, repeat=1))
+            self.prof.start()
+
+    def step(self) -> None:
+        if self.prof is not None:
+            self.prof.step()
+
+    def finish(self) -> None:
+        if self.prof is not None:
+            self.prof.stop()
+            ops = self.prof.key_averages()
+            Path(self.path).write_text(ops.table(sort_by="self_cpu_time_total", row_limit=20, max_name_column_width=60)
+                                       + "\n")
 
 
 def worker_polyrl(spec: dict) -> dict:
