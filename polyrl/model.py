@@ -278,12 +278,7 @@ def completion_logprobs(
         flat = _ChunkedHead.apply(states, head.weight, head.bias, targets, given_ids, chunk_size, settings)
         pieces = [flat]  # outputs that were not asked for are empty and never read
     else:
-        weight, bias = _head_weights(head.weight, head.bias, fp32_head)  # cast once, not once per chunk
-        pieces = [
-            _head_chunk(states[i : i + chunk_size], targets[i : i + chunk_size],
-                        None if given_ids is None else given_ids[i : i + chunk_size], weight, bias, **settings)
-            for i in range(0, states.shape[0], chunk_size)
-        ]
+        pieces = _head_chunks(states, head.weight, head.bias, targets, given_ids, chunk_size, settings)
 
     out_dtype = torch.promote_types(head.weight.dtype, torch.float32)
     k = given_ids.shape[-1] if given_ids is not None else topk
@@ -316,12 +311,7 @@ class _ChunkedHead(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, states, weight, bias, targets, given_ids, chunk_size, settings):
-        w, b = _head_weights(weight, bias, settings["fp32_head"])  # cast once, not once per chunk
-        pieces = [
-            _head_chunk(states[i : i + chunk_size], targets[i : i + chunk_size],
-                        None if given_ids is None else given_ids[i : i + chunk_size], w, b, **settings)
-            for i in range(0, states.shape[0], chunk_size)
-        ]
+        pieces = _head_chunks(states, weight, bias, targets, given_ids, chunk_size, settings)
         empty = states.new_zeros((0,), dtype=torch.promote_types(weight.dtype, torch.float32))
 
         def cat(index: int) -> Tensor | None:
@@ -377,6 +367,17 @@ class _ChunkedHead(torch.autograd.Function):
                 grad_b += grad_z.sum(0)
         to = lambda g, like: None if g is None else g.to(like.dtype)  # noqa: E731
         return grad_states, to(grad_w, weight), to(grad_b, bias), None, None, None, None
+
+
+def _head_chunks(states: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, given_ids: Tensor | None,
+                 chunk_size: int, settings: dict) -> list[tuple[Tensor | None, ...]]:
+    """``_head_chunk`` over N tokens, ``chunk_size`` at a time, the head's weights cast once (not once per chunk)."""
+    w, b = _head_weights(weight, bias, settings["fp32_head"])
+    return [
+        _head_chunk(states[i : i + chunk_size], targets[i : i + chunk_size],
+                    None if given_ids is None else given_ids[i : i + chunk_size], w, b, **settings)
+        for i in range(0, states.shape[0], chunk_size)
+    ]
 
 
 def _head_chunk(

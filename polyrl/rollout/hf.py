@@ -158,12 +158,11 @@ class HFGenerator:
         next_position = position_ids[:, -1] + 1  # [n]
         shared = distinct_prompts(input_ids, attention_mask, 0)  # a group's rows share one prefill
         cache = decode_cache(self.model.config, width + steps)  # keys written in place, not concatenated
-        self._heads = {id(self.model): float32_head(self.head) if self.fp32_head else self.head}  # cast once
+        self._heads = {id(self.model): self._sampling_head(self.head)}  # a float32 copy made once per call
         logits = self._prefill(input_ids, attention_mask, position_ids, cache, shared)
         if arbiter is not None:
             mix = arbiter.start(coins[:, 0])
-            base_head = linear_head(arbiter.baseline)
-            self._heads[id(arbiter.baseline)] = float32_head(base_head) if self.fp32_head else base_head
+            self._heads[id(arbiter.baseline)] = self._sampling_head(linear_head(arbiter.baseline))
             base_cache = decode_cache(arbiter.baseline.config, width + steps)
             base_logits = self._prefill(input_ids, attention_mask, position_ids, base_cache, shared, arbiter.baseline)
         for step in range(steps):
@@ -198,6 +197,10 @@ class HFGenerator:
         self._heads = {}  # a float32 copy of the head is not kept between calls
         from_b = mix.baseline_tokens if arbiter is not None else torch.zeros(count, dtype=torch.long)
         return tokens.cpu(), logps.cpu(), lengths.cpu(), stopped.cpu(), from_b.cpu(), sq.cpu()
+
+    def _sampling_head(self, head: nn.Module) -> nn.Module:
+        """The head a decode call multiplies by: with ``fp32_head`` a float32 copy (``float32_head``), else itself."""
+        return float32_head(head) if self.fp32_head else head
 
     def _prefill(self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, cache,
                  shared: tuple[Tensor, Tensor] | None, model: nn.Module | None = None) -> Tensor:
