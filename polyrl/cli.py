@@ -197,6 +197,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from polyrl.catalog import method_dict
     from polyrl.config import to_dict
     from polyrl.launch import relaunch, under_launcher, world
+    from polyrl.learner.dist import leave
     from polyrl.runs import record_resume, write_record
     from polyrl.trainer import train
 
@@ -218,7 +219,9 @@ def cmd_train(args: argparse.Namespace) -> int:
         console.print(f"starting {cfg.scale.nproc} training processes (FSDP2)")
         return relaunch(cfg.scale.nproc, [*args.argv, "--model", cfg.model])
     if world()[0] != 0:
-        return 0 if train(cfg, method, model_dir=cfg.model, task=task, run_dir=run_dir, console=console) else 1
+        done = train(cfg, method, model_dir=cfg.model, task=task, run_dir=run_dir, console=console)
+        leave()
+        return 0 if done else 1
     Path(run_dir).mkdir(parents=True, exist_ok=True)
     if cfg.resume:
         record_resume(run_dir, plan.resume_step, cfg.resume_from, plan.changes)
@@ -230,6 +233,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         console.print_json(json.dumps(to_dict(cfg)))
     console.print(f"method: {method.name} = " + "; ".join(f"{k} {v}" for k, v in method.parts().items() if v))
     summary = train(cfg, method, model_dir=cfg.model, task=task, run_dir=run_dir, console=console)
+    leave()  # the ranks of --nproc / torchrun leave their process group together (no-op in one process)
     table = Table(title=f"{method.name} on {task.name}")
     for col in ("held-out accuracy before", "after", "steps", "s/step", "rollouts/s", "wall s"):
         table.add_column(col, justify="right")

@@ -79,7 +79,7 @@ def _entry(rank: int, fn, port: int, *args) -> None:
     assert pdist.init_from_env(timeout_s=TIMEOUT_S) == (rank, WORLD)
     try:
         fn(rank, *args)
-        pdist.barrier()  # both ranks are done before either tears gloo down (one SIGABRT seen under load without it)
+        pdist.leave()  # both ranks are done before either tears gloo down (one SIGABRT seen under load without it)
     finally:
         pdist.close()
 

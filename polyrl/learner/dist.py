@@ -43,6 +43,13 @@ def close() -> None:
         dist.destroy_process_group()
 
 
+def leave() -> None:
+    """Meet every rank, then leave the process group (no-op without one): a rank that tears gloo down while a peer
+    is still in a collective takes the peer down with SIGABRT, and NCCL warns of a group never destroyed."""
+    barrier()
+    close()
+
+
 def rank_world() -> tuple[int, int]:
     """(rank, world size) of this process; (0, 1) without a process group."""
     return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
