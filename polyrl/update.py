@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -104,7 +105,7 @@ def _pack(order: list[int], members: list[Tensor], longest: Tensor, max_rows: in
 
 def update_policy(learner: Learner, method: Method, s: Scored, counters: UpdateCounters, *, epochs: int,
                   minibatches: int, micro_batch_size: int, horizon: int, topk: int, reuse_old: bool, seed: int,
-                  max_bad_steps: int, micro_batch_tokens: int = 0) -> dict[str, float]:
+                  max_bad_steps: int, micro_batch_tokens: int = 0, skip_zero_adv: bool = False) -> dict[str, float]:
     """Run the optimizer steps on one scored batch; return averaged objective/*, perf/* and critic/* metrics.
 
     Micro-batches: ``plan_micro_batches`` (at most ``micro_batch_size`` rows; with ``micro_batch_tokens`` > 0 packed
@@ -113,6 +114,11 @@ def update_policy(learner: Learner, method: Method, s: Scored, counters: UpdateC
     With ``reuse_old`` (one optimizer step per batch) the policy has not moved when the loss is computed,
     so the update's own detached log-probs serve as pi_old (TRL does the same); across ranks each
     rank fills the rows it ran and the rows are summed, so every rank ends with the full ``s.old_logp``.
+
+    ``skip_zero_adv`` (only for a method with ``zero_adv_rows_inert``): rows whose advantage is 0 at every loss token
+    run in micro-batches of their own, forward only -- they have no gradient and leave the others' loss unchanged,
+    so the step is the same without their backward; their forward still fills pi_old and the metrics. A minibatch
+    with no other row runs as usual (AdamW still steps on its momentum after a zero gradient).
     """
     tb, mask = s.tb, s.mask
     B, T = tb.completion_mask.shape
@@ -124,23 +130,25 @@ def update_policy(learner: Learner, method: Method, s: Scored, counters: UpdateC
     zero_grad_counts = torch.zeros(2, 4)
     step_gen = torch.Generator().manual_seed(seed)
     own = _OwnRows(s.old_logp) if reuse_old else None  # the rows this rank computed (reuse_old)
+    inert = ((s.adv == 0) | (mask == 0)).all(-1) if skip_zero_adv else torch.zeros(B, dtype=torch.bool)
+    forward_only = 0  # rows that ran without a backward, over all epochs
     for _epoch in range(epochs):
         order = torch.randperm(B, generator=step_gen) if minibatches > 1 else torch.arange(B)
         for mb in order.chunk(minibatches):
             norm = Normalizer.from_batch(mask[mb], s.group_ids[mb], horizon=horizon)
             group_tokens = group_token_counts(mask[mb], s.group_ids[mb])
             finite = True
-            micro_batches = plan_micro_batches(
-                lengths[mb], s.group_ids[mb] if pairs else torch.arange(len(mb)), max_rows=micro_batch_size,
-                max_tokens=micro_batch_tokens, prompt_width=tb.input_ids.shape[1] - T)
-            for index in learner.shard(len(micro_batches)):
+            units = s.group_ids[mb] if pairs else torch.arange(len(mb))
+            frozen = inert[mb] if not bool(inert[mb].all()) else torch.zeros(len(mb), dtype=torch.bool)
+            forward_only += int(frozen.sum())
+            for grad, index, micro in _passes(learner, lengths[mb], units, frozen, max_rows=micro_batch_size,
+                                              max_tokens=micro_batch_tokens, prompt_width=tb.input_ids.shape[1] - T):
                 real = index is not None  # else a zero-weight pass that keeps the ranks in lockstep
-                micro = micro_batches[index if real else 0]
                 rows = mb[micro]
                 batch, w = tb.rows(rows).trimmed() if micro_batch_tokens > 0 else (tb.rows(rows), T)
 
                 cut = functools.partial(_cut, rows, w)
-                cur = learner.logprobs(batch, grad=True, topk=topk)
+                cur = learner.logprobs(batch, grad=grad, topk=topk)
                 if reuse_old:
                     s.old_logp[rows, :w] = cur.logp.detach()
                     if cur.topk_logp is not None:
@@ -163,10 +171,12 @@ def update_policy(learner: Learner, method: Method, s: Scored, counters: UpdateC
                 if learner.all_sum(torch.tensor([float(not torch.isfinite(out.loss))])) > 0:  # on any rank
                     finite = False
                     break
-                zeros = zero_grad_by_quarter(out.surrogate, cur.logp, cut(mask), cut(s.adv))
-                learner.backward(out.loss if real else out.loss * 0.0)
+                if grad:  # (a forward-only row has A = 0 everywhere: no token of it counts in zero_grad_counts)
+                    zeros = zero_grad_by_quarter(out.surrogate, cur.logp, cut(mask), cut(s.adv))
+                    learner.backward(out.loss if real else out.loss * 0.0)
+                    if real:
+                        zero_grad_counts += zeros
                 if real:
-                    zero_grad_counts += zeros
                     n_micro += 1
                 for k, v in {**out.metrics, "objective/loss": out.loss.detach()}.items():
                     micro_sums[k] = micro_sums.get(k, 0.0) + (float(v) if real else 0.0)
@@ -194,10 +204,23 @@ def update_policy(learner: Learner, method: Method, s: Scored, counters: UpdateC
     zero_grad_counts = learner.all_sum(zero_grad_counts)
     metrics = {k: v / max(1, n_micro) for k, v in micro_sums.items()}
     metrics.update({k: v / max(1, n_steps) for k, v in step_sums.items()})
+    if skip_zero_adv:
+        metrics["perf/forward_only_frac"] = forward_only / max(1, B * epochs)
     for q in range(4):
         if zero_grad_counts[1, q] > 0:
             metrics[f"position/zero_grad_frac_q{q + 1}"] = float(zero_grad_counts[0, q] / zero_grad_counts[1, q])
     return metrics
+
+
+def _passes(learner: Learner, lengths: Tensor, units: Tensor, frozen: Tensor, **plan) -> Iterator[
+        tuple[bool, int | None, Tensor]]:
+    """(with gradient, micro-batch index or None for a zero-weight pass, positions in the minibatch) of this rank's
+    passes: the micro-batches of the rows with a gradient, then those of the ``frozen`` rows (forward only); each
+    list is sharded on its own, so every rank runs as many passes of each kind, in the same order."""
+    for grad, rows in ((True, torch.nonzero(~frozen).squeeze(1)), (False, torch.nonzero(frozen).squeeze(1))):
+        micro_batches = [rows[m] for m in plan_micro_batches(lengths[rows], units[rows], **plan)] if len(rows) else []
+        for index in learner.shard(len(micro_batches)):
+            yield grad, index, micro_batches[0 if index is None else index]
 
 
 def _cut(rows: Tensor, w: int, x: Tensor | None) -> Tensor | None:

@@ -63,6 +63,8 @@ MOOT = [
     ("lora_targets", "q_proj,v_proj", []),
     ("lora_dropout", 0.1, []),
     ("teacher", "{data}", ["--method", "dr_grpo"]),  # no KL term whose reference the teacher could be
+    ("skip_zero_adv", "yes", ["--method", "grpo"]),  # KL in the loss: zero-advantage rows keep a gradient
+    ("skip_zero_adv", "yes", ["--method", "bapo"]),  # adaptive bounds over the micro-batch couple rows
 ]
 # Fields that always change what runs (or how the run is kept and shown).
 ALWAYS = {"method", "task", "reward_funcs", "reward_weights", "model", "run_dir", "steps", "prompts_per_step",

@@ -98,6 +98,48 @@ def test_vanilla_gradient_at_ratio_one(name):
     torch.testing.assert_close(grad, expected, rtol=1e-7, atol=1e-10)
 
 
+def _zero_adv_rows_break(method) -> float:
+    """The largest way ``method`` breaks what ``zero_adv_inert`` promises (0.0: it keeps it), over one batch with
+    rows 1, 4 and 6 at A = 0: (a) eight one-row micro-batches give the whole batch's loss and gradient; (b) the
+    zero-advantage rows get no gradient; (c) the other rows alone give the same loss and gradient."""
+    inp = make_inputs(B=8, T=9, seed=11, lengths=[9, 3, 7, 1, 5, 9, 2, 6], group_size=4, spread=1.0)
+    adv = inp.adv.clone()
+    adv[[1, 4, 6]] = 0.0
+    inp = dataclasses.replace(inp, adv=adv)
+    full = policy_loss(inp, method).loss
+    (g_full,) = torch.autograd.grad(full, inp.topk_logp)
+    one_by_one = sum(policy_loss(inp.rows(slice(i, i + 1)), method).loss for i in range(8))
+    (g_split,) = torch.autograd.grad(one_by_one, inp.topk_logp)
+    live = policy_loss(inp.rows(torch.tensor([0, 2, 3, 5, 7])), method).loss
+    (g_live,) = torch.autograd.grad(live, inp.topk_logp)
+    return max(float((one_by_one - full).detach().abs()), float((g_split - g_full).abs().max()),
+               float(g_full[[1, 4, 6]].abs().max()), float((live - full).detach().abs()),
+               float((g_live - g_full).abs().max()))
+
+
+@pytest.mark.parametrize("name", [s.name for s in TRUST_REGIONS if "zero_adv_inert" in s.tags])
+def test_zero_advantage_rows_are_inert(name):
+    """What lets the update run all-zero-advantage rows without a backward (update.py): for every ratio and
+    aggregation, rows are independent and a row with A = 0 everywhere has no gradient and adds no loss."""
+    for ratio in RATIOS.names():
+        for agg in AGGREGATIONS.names():
+            method = build_method("inert", advantage="grpo", ratio=ratio, trust_region=name, aggregation=agg)
+            assert _zero_adv_rows_break(method) < 1e-12, (ratio, agg)
+    for corr in CORRECTIONS.names():
+        method = build_method("inert", advantage="grpo", trust_region=name, aggregation="token_mean",
+                              corrections=[corr])
+        assert _zero_adv_rows_break(method) < 1e-12, corr
+
+
+@pytest.mark.parametrize("name", ["bapo", "clip_cov", "dro", "kto", "troll", "dpo"])
+def test_untagged_trust_regions_break_zero_advantage_inertness(name):
+    """The check above can fail: these couple rows (bapo's adaptive bounds, clip_cov's batch covariance, kto's
+    reference point, dpo's pairs) or give A = 0 rows a gradient (dro's squared residual, troll's projection)."""
+    assert "zero_adv_inert" not in TRUST_REGIONS.spec(name).tags
+    method = build_method("coupled", advantage="grpo", trust_region=name, aggregation="token_mean")
+    assert _zero_adv_rows_break(method) > 1e-9
+
+
 @pytest.mark.parametrize("name", RATIOS.names())
 def test_ratio_is_zero_at_same_policy_and_ignores_padding(name):
     inp = make_inputs(seed=6, same_policies=True)

@@ -142,13 +142,15 @@ class _Recorder:
         return self.norms[-1]
 
 
-def _update(learner, method, case, seed: int) -> dict:
+def _update(learner, method, case, seed: int, zero_rows: tuple[int, ...] = ()) -> dict:
+    """``zero_rows``: these rows get A = 0 and run forward only (skip_zero_adv)."""
     B, mbs, minibatches, reuse_old, topk, _ = case
     s = _scored(learner, B, seed=seed, reuse_old=reuse_old)
+    s.adv[list(zero_rows)] = 0.0
     rec = _Recorder(learner)
     metrics = update_policy(rec, method, s, SimpleNamespace(bad_steps=0, skipped_total=0), epochs=1,
                             minibatches=minibatches, micro_batch_size=mbs, horizon=6, topk=topk, reuse_old=reuse_old,
-                            seed=seed, max_bad_steps=3)
+                            seed=seed, max_bad_steps=3, skip_zero_adv=bool(zero_rows))
     return dict(metrics=metrics, grads=rec.grads, norms=rec.norms, old_logp=s.old_logp, old_topk=s.old_topk,
                 values=s.values, params=_state(learner.model),
                 critic=None if learner.critic is None else _state(learner.critic))
@@ -204,6 +206,9 @@ def _updates(model_dir: str, aggregations: list[str]) -> dict:
         learner = _learner(model_dir, mbs=CASES[c][1], critic=CASES[c][5], sharded=True)
         results[agg, c] = _update(learner, _method(agg), CASES[c], seed=c)
     results["skip"] = _skip_then_update(_learner(model_dir, mbs=2, sharded=True))
+    # rows 1 and 3 forward only: 2 micro-batches with a gradient (one per rank), then 1 without (rank 1: None pass)
+    results["zero_adv"] = _update(_learner(model_dir, mbs=2, sharded=True), _method("token_mean"), CASES[1], seed=5,
+                                  zero_rows=(1, 3))
     return results
 
 
@@ -227,6 +232,10 @@ def test_fsdp_update_equals_one_process_for_every_aggregation(two_processes, tin
     local = _skip_then_update(_learner(tiny_model, mbs=2, sharded=False))
     assert local["skipped"] == sharded["skip"]["skipped"] == 1
     _close(sharded["skip"]["after"], local["after"], 1e-5, "the update after a skipped step")
+    local = _update(_learner(tiny_model, mbs=2, sharded=False), _method("token_mean"), CASES[1], seed=5,
+                    zero_rows=(1, 3))
+    assert local["metrics"]["perf/forward_only_frac"] == sharded["zero_adv"]["metrics"]["perf/forward_only_frac"] == 0.4
+    _close(sharded["zero_adv"], local, 1e-4, "forward-only zero-advantage rows")
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -249,3 +249,65 @@ def test_each_speed_setting_leaves_training_as_it_was(tiny_model, tmp_path, swit
     (fast_loss, fast_w), (plain_loss, plain_w) = runs["fast"], runs["plain"]
     assert len(fast_loss) == 2 and fast_loss == pytest.approx(plain_loss, abs=1e-6)
     assert max(float((fast_w[k] - plain_w[k]).abs().max()) for k in plain_w) < 1e-5
+
+
+def _zero_adv_update(model_dir: str, skip: bool, adv: torch.Tensor, *, minibatches: int) -> dict:
+    """Two epochs of ``update_policy`` (pi_old from the update, 3-row micro-batches) on one seeded 8-row batch."""
+    from types import SimpleNamespace
+
+    from polyrl.batch import TokenBatch
+    from polyrl.learner.local import LocalLearner
+    from polyrl.methods import get_method
+    from polyrl.update import Scored, update_policy
+
+    model, _ = load_policy(model_dir, threads=1)
+    learner = LocalLearner(model, lr=1e-2, weight_decay=0.01, warmup_steps=0, max_grad_norm=1.0, temperature=1.0,
+                           top_p=1.0, top_k=0, fp32_head=False, micro_batch_size=3)
+    g = torch.Generator().manual_seed(3)
+    B, P, T = adv.shape[0], 4, 6
+    lengths = torch.tensor([6, 2, 5, 6, 3, 1, 4, 6])
+    comp = (torch.arange(T)[None] < lengths[:, None]).float()
+    tb = TokenBatch(torch.randint(4, 60, (B, P + T), generator=g), torch.cat([torch.ones(B, P).long(), comp.long()], 1),
+                    comp, -torch.rand(B, T, generator=g) * comp, comp.clone(), torch.zeros(B, T, dtype=torch.long))
+    s = Scored(tb=tb, mask=tb.loss_mask, adv=adv[:, None].expand(B, T).clone(), group_ids=torch.arange(B) // 4,
+               segment_ids=torch.zeros(B, T, dtype=torch.long), old_logp=torch.zeros(B, T), old_topk=None,
+               ref_logp=None)
+    method = get_method("dapo", filters=[])
+    assert method.zero_adv_rows_inert
+    grads = []
+    step = learner.step
+
+    def recorded_step() -> float:  # the gradient of each optimizer step, before it is applied
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
+        return step()
+
+    learner.step = recorded_step
+    metrics = update_policy(learner, method, s, SimpleNamespace(bad_steps=0, skipped_total=0), epochs=2,
+                            minibatches=minibatches, micro_batch_size=3, horizon=T, topk=0, reuse_old=True, seed=0,
+                            max_bad_steps=3, micro_batch_tokens=30, skip_zero_adv=skip)
+    return dict(metrics=metrics, old_logp=s.old_logp, grads=grads,
+                weights={k: v.detach().clone() for k, v in model.state_dict().items()})
+
+
+@pytest.mark.parametrize("minibatches", [1, 2])
+def test_zero_advantage_rows_forward_only_give_the_same_step(tiny_model, minibatches):
+    """Rows 1, 2, 5 and 6 have A = 0: with skip_zero_adv they run forward only (pi_old and the metrics still see
+    them) and the weights after two epochs are those of the plain update. With 2 minibatches of shuffled rows the
+    count of forward-only rows follows the shuffle, except where a minibatch holds no other row (it runs as usual:
+    AdamW still steps on its momentum)."""
+    adv = torch.tensor([1.0, 0.0, 0.0, -0.5, 2.0, 0.0, 0.0, -1.5])
+    plain = _zero_adv_update(tiny_model, False, adv, minibatches=minibatches)
+    fast = _zero_adv_update(tiny_model, True, adv, minibatches=minibatches)
+    assert len(fast["grads"]) == len(plain["grads"]) == 2 * minibatches
+    for got, want in zip(fast["grads"], plain["grads"]):  # float32 rounding of another summation order
+        assert float((got - want).abs().max()) <= 1e-5 * float(want.abs().max())
+    # two Adam steps amplify that rounding where consecutive gradients nearly cancel (as in test_fsdp)
+    assert max(float((fast["weights"][k] - plain["weights"][k]).abs().max()) for k in plain["weights"]) < 1e-4
+    torch.testing.assert_close(fast["old_logp"], plain["old_logp"], atol=1e-6, rtol=0)
+    assert fast["metrics"]["objective/loss"] == pytest.approx(plain["metrics"]["objective/loss"], abs=1e-6)
+    assert "perf/forward_only_frac" not in plain["metrics"]
+    frac = fast["metrics"]["perf/forward_only_frac"]
+    assert frac == 0.5 if minibatches == 1 else 0 < frac <= 0.5  # 4 of 8 rows (in a minibatch with a live row)
+    # every row at A = 0: nothing is left out (the plain step), and the fraction says so
+    none = _zero_adv_update(tiny_model, True, torch.zeros(8), minibatches=minibatches)
+    assert none["metrics"]["perf/forward_only_frac"] == 0.0

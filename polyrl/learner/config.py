@@ -1,6 +1,6 @@
 """The learner's settings: the critic's (GAE presets: `--critic-lr`, `--value-clip`, `--value-loss-agg`, TOML
 `[critic]`), LoRA's (`--lora-*`, `[lora]`) and the speed settings (`--[no-]share-prompts`, `--[no-]fused-adam`,
-`--micro-batch-tokens`, `[speed]`)."""
+`--micro-batch-tokens`, `--skip-zero-adv`, `[speed]`)."""
 
 from __future__ import annotations
 
@@ -55,3 +55,8 @@ class SpeedConfig:
     """pack training micro-batches by length: rows sorted longest first, at most this many tokens (rows x padded
     length) and micro_batch_size rows each, and every micro-batch cut to its own longest row (verl's dynamic batch
     size); 0 = consecutive chunks of micro_batch_size rows, padded to the batch's longest row"""
+    skip_zero_adv: Literal["auto", "yes", "no"] = field(default="auto", metadata={"flag": "skip_zero_adv"})
+    """rows whose advantage is 0 at every token (a GRPO group whose completions all scored alike) run forward only,
+    for pi_old and the metrics, without a backward: the method's loss gives them no gradient (its trust region is
+    tagged zero_adv_inert, no KL term in the loss, no entropy bonus or entropy_top); auto = wherever that holds, yes =
+    the same but a method without it is refused, no = every row runs forward and backward"""

@@ -153,7 +153,10 @@ class FSDPLearner:
         """Log-probs, entropy (and top-K) of this rank's rows (``update_policy`` gives each rank its micro-batches)."""
         self.model.train(grad)
         with torch.set_grad_enabled(grad):
-            return TokenLogprobs(*self._forward(self.model, batch, topk))
+            out = TokenLogprobs(*self._forward(self.model, batch, topk))
+        if not grad:  # FSDP2 leaves the root's parameters gathered for the backward it expects; with none to come,
+            self.model.reshard()  # ``step()`` would clip the unsharded ones, which hold no gradient
+        return out
 
     def _rows(self, batch: TokenBatch, fn) -> list[Tensor | None]:
         """``fn`` (a tuple of [rows, ...] tensors or None) over this rank's row shard, micro-batched, all-gathered."""

@@ -94,7 +94,7 @@ def _masked_surrogate(
 _DPPO = dict(  # registration shared by the four DPPO masks
     paper="arXiv:2602.04879",
     ranges={"delta_low": ">=0", "delta_high": ">=0", "trunc_c": ">0"},
-    tags=("vanilla_at_one",),
+    tags=("vanilla_at_one", "zero_adv_inert"),
 )
 
 
@@ -150,7 +150,7 @@ def _topk(
     return _masked_surrogate(inp, log_ratio, _direction_keep(inp.adv, div, p, q, dl, dh), c)
 
 
-@TRUST_REGIONS.register("dppo_topk_tv", **{**_DPPO, "tags": ("vanilla_at_one", "needs_topk")})
+@TRUST_REGIONS.register("dppo_topk_tv", **{**_DPPO, "tags": ("vanilla_at_one", "zero_adv_inert", "needs_topk")})
 def dppo_topk_tv(
     inp: LossInputs,
     log_ratio: Tensor,
@@ -167,7 +167,7 @@ def dppo_topk_tv(
     return _topk(inp, log_ratio, "tv", delta_low, delta_high, trunc_c)
 
 
-@TRUST_REGIONS.register("dppo_topk_kl", **{**_DPPO, "tags": ("vanilla_at_one", "needs_topk")})
+@TRUST_REGIONS.register("dppo_topk_kl", **{**_DPPO, "tags": ("vanilla_at_one", "zero_adv_inert", "needs_topk")})
 def dppo_topk_kl(
     inp: LossInputs,
     log_ratio: Tensor,
@@ -239,7 +239,7 @@ def cppo_keep(
     "cppo",
     paper="arXiv:2606.10968",
     ranges={"delta": ">=0", "w_min": "(0, 1]", "delta_b": ">=0"},
-    tags=("vanilla_at_one",),
+    tags=("vanilla_at_one", "zero_adv_inert"),
 )
 def cppo(
     inp: LossInputs,
@@ -277,7 +277,8 @@ def drpo_token_weight(p: Tensor, q: Tensor, adv: Tensor, delta: float) -> Tensor
     return 1.0 - torch.sign(adv) * (p - q) / delta
 
 
-@TRUST_REGIONS.register("drpo", paper="arXiv:2606.09821", ranges={"delta": ">0"}, tags=("vanilla_at_one",))
+@TRUST_REGIONS.register("drpo", paper="arXiv:2606.09821", ranges={"delta": ">0"},
+                        tags=("vanilla_at_one", "zero_adv_inert"))
 def drpo(inp: LossInputs, log_ratio: Tensor, *, delta: float = 0.2) -> tuple[Tensor, Metrics]:
     """Replace DPPO's hard mask by a smooth Binary-TV penalty (DRPO).
 

@@ -19,6 +19,7 @@ from polyrl.registry import TRUST_REGIONS
 from polyrl.types import LossInputs
 
 _V1 = ("vanilla_at_one",)
+_INERT = ("vanilla_at_one", "zero_adv_inert")  # see trust_regions._V1; dro is not (A is not a factor of its loss)
 
 
 def _seq_sum(x: Tensor, mask: Tensor) -> Tensor:
@@ -32,7 +33,7 @@ def gmpo_clip(log_ratio: Tensor, adv: Tensor, eps_low: float, eps_high: float) -
     return torch.where(adv > 0, z.clamp(max=eps_high), torch.where(adv < 0, z.clamp(min=-eps_low), z))
 
 
-@TRUST_REGIONS.register("gmpo", paper="arXiv:2507.20673", ranges={"eps_low": ">=0", "eps_high": ">=0"}, tags=_V1)
+@TRUST_REGIONS.register("gmpo", paper="arXiv:2507.20673", ranges={"eps_low": ">=0", "eps_high": ">=0"}, tags=_INERT)
 def gmpo(
     inp: LossInputs, log_ratio: Tensor, *, eps_low: float = 0.4, eps_high: float = 0.4
 ) -> tuple[Tensor, dict[str, Tensor]]:
@@ -85,7 +86,7 @@ def vespo_weight(
     "vespo",
     paper="arXiv:2602.10693",
     ranges={"k_pos": ">=0", "lambda_pos": ">0", "k_neg": ">=0", "lambda_neg": ">0"},
-    tags=_V1,
+    tags=_INERT,
 )
 def vespo(
     inp: LossInputs,

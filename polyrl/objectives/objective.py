@@ -85,6 +85,15 @@ class Method:
         return self.entropy_coef > 0 or self.entropy_target > 0
 
     @property
+    def zero_adv_rows_inert(self) -> bool:
+        """True when a sequence whose advantages are all 0 gets no gradient and leaves the others' loss unchanged: a
+        trust region tagged ``zero_adv_inert`` and no loss term without A (KL in the loss, an entropy bonus, the
+        80/20 entropy selection over all tokens). The update may then run such rows forward only."""
+        kl_in_loss = self.kl is not None and self.kl_coef > 0 and self.kl_placement == "loss"
+        return ("zero_adv_inert" in TRUST_REGIONS.spec(self.trust_region.name).tags and not kl_in_loss
+                and not self.entropy_grad and self.entropy_top == 0)
+
+    @property
     def needs_ref(self) -> bool:
         """True when a reference model is scored: a KL term, Humanline syncing, or a trust region tagged
         ``needs_ref`` (the preference losses: DPO, KTO and their variants read pi_ref)."""

@@ -36,7 +36,7 @@ def _check_clip(p: dict) -> str | None:
     paper="arXiv:1707.06347",
     ranges={"eps_low": "[0, 1)", "eps_high": ">=0"},
     check=_check_clip,
-    tags=("vanilla_at_one",),
+    tags=("vanilla_at_one", "zero_adv_inert"),
 )
 def clip(
     inp: LossInputs,
@@ -66,7 +66,7 @@ def clip(
     return loss, metrics
 
 
-@TRUST_REGIONS.register("none", paper="Williams 1992", tags=("vanilla_at_one",))
+@TRUST_REGIONS.register("none", paper="Williams 1992", tags=("vanilla_at_one", "zero_adv_inert"))
 def none(inp: LossInputs, log_ratio: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
     """No trust region: l_t = -rho_t A_t (REINFORCE with the on_policy ratio, unclipped IS otherwise)."""
     ratio = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
@@ -74,7 +74,10 @@ def none(inp: LossInputs, log_ratio: Tensor) -> tuple[Tensor, dict[str, Tensor]]
 
 
 _EPS = {"eps_low": "[0, 1)", "eps_high": ">=0"}
-_V1 = ("vanilla_at_one",)  # gradient at ratio 1 is exactly -A grad lp (the contract tests check it)
+# vanilla_at_one: the gradient at ratio 1 is exactly -A grad lp. zero_adv_inert: each row's loss reads only its own
+# tokens (any micro-batch split gives the same loss) and a row whose advantages are all 0 gets no gradient, so the
+# update may run such rows forward only (update.py). The contract tests check both.
+_V1 = ("vanilla_at_one", "zero_adv_inert")
 
 
 def _mean(x: Tensor, mask: Tensor) -> Tensor:
@@ -157,7 +160,8 @@ def ce_gppo(
     return loss, metrics
 
 
-@TRUST_REGIONS.register("pspo", paper="arXiv:2509.21282", ranges={"alpha": "[0, 1]"}, tags=("scaled_at_one",))
+@TRUST_REGIONS.register("pspo", paper="arXiv:2509.21282", ranges={"alpha": "[0, 1]"},
+                        tags=("scaled_at_one", "zero_adv_inert"))
 def pspo(inp: LossInputs, log_ratio: Tensor, *, alpha: float = 0.1) -> tuple[Tensor, dict[str, Tensor]]:
     """Smooth the ratio toward 1 instead of clipping it (PSPO probability smoothing).
 
