@@ -7,6 +7,8 @@
     .venv/bin/python benchmarks/vs_trl.py accuracy # held-out accuracy after 200 steps, 3 seeds each
     .venv/bin/python benchmarks/vs_trl.py memory   # peak memory of one training step, ~50M model, vocab 152k, T=512
     .venv/bin/python benchmarks/vs_trl.py profile  # torch.profiler's operator table of both, over the timed steps
+    .venv/bin/python benchmarks/vs_trl.py switch --polyrl-set skip_zero_adv=no  # polyrl alone, as is vs one
+                                                   # setting changed, alternated at the demo settings
 
 What is matched: the same saved model directory, prompts, reward and sampling (temperature 1, no top-p/top-k);
 the objective is GRPO with group z-scored advantages (std + 1e-4, TRL's ``scale_rewards="group"``), PPO clip 0.2,
@@ -162,6 +164,7 @@ def worker_polyrl(spec: dict) -> dict:
         "generate_s": [m["perf/generate_s"] for m in steps],
         "score_s": [m["perf/score_s"] for m in steps],
         "update_s": [m["perf/train_s"] for m in steps],
+        "forward_only_frac": [m.get("perf/forward_only_frac", 0.0) for m in steps],
         "gen_tokens": [m["rollout/mean_len"] * spec["prompts_per_step"] * spec["group"] for m in steps],
         "summary": {k: v for k, v in summary.items() if isinstance(v, (int, float, str))},
         "peak_rss_mib": peak_rss_mib(),
@@ -299,6 +302,25 @@ def paired(spec: dict, rounds: int, trl_python: str, label: str) -> dict:
     return out
 
 
+def switched(spec: dict, rounds: int, changes: dict) -> dict:
+    """polyrl as is and with ``changes`` (TrainConfig settings), alternated ``rounds`` times on ``spec``: per-phase
+    medians of each and the per-round ratio changed / as is of seconds per step."""
+    from rich.progress import track
+
+    per_round = []
+    for r in track(range(rounds), description=f"{changes}: {rounds} rounds"):
+        order = ("as_is", "changed") if r % 2 == 0 else ("changed", "as_is")
+        per_round.append({k: run_worker("polyrl", {**spec, "polyrl_settings": changes if k == "changed" else {}},
+                                        sys.executable) for k in order})
+    out: dict = {"spec": {k: v for k, v in spec.items() if k != "prompts"}, "changes": changes, "rounds": rounds}
+    for k in ("as_is", "changed"):
+        for phase in ("step_s", "generate_s", "update_s", "forward_only_frac"):
+            out[f"{k}_{phase}"] = med([x for r in per_round for x in r[k][phase]])
+    ratios = [med(r["changed"]["step_s"]) / med(r["as_is"]["step_s"]) for r in per_round]
+    out.update(ratio_median=med(ratios), ratio_min=min(ratios), ratio_max=max(ratios), ratios=ratios)
+    return out
+
+
 def addition_rows(n_train: int = 4096, n_test: int = 200) -> dict:
     rng = random.Random(0)
     pairs = [(a, b) for a in range(10, 100) for b in range(10, 100)]
@@ -409,6 +431,14 @@ def show(title: str, rows: list[tuple[str, dict]]) -> None:
     Console().print(table)
 
 
+def _value(text: str):
+    """A --polyrl-set value: a JSON number or boolean, else the string."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
 def main() -> None:
     if len(sys.argv) == 4 and sys.argv[1] in ("_polyrl", "_trl"):  # a worker process
         spec = json.loads(Path(sys.argv[2]).read_text())
@@ -416,7 +446,7 @@ def main() -> None:
         Path(sys.argv[3]).write_text(json.dumps(fn(spec)))
         return
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("what", choices=("demo", "scaling", "accuracy", "memory", "profile", "replot"))
+    ap.add_argument("what", choices=("demo", "scaling", "accuracy", "memory", "profile", "switch", "replot"))
     ap.add_argument("--trl-python", default=str(ROOT / ".venv-trl" / "bin" / "python"))
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=10, help="timed steps per round")
@@ -431,6 +461,8 @@ def main() -> None:
                     help="scaling: completions stop at EOS (natural) or always run to the length (fixed)")
     ap.add_argument("--profile-length", type=int, default=0,
                     help="profile: 0 profiles the demo settings, N > 0 the natural-length scaling model at N tokens")
+    ap.add_argument("--polyrl-set", action="append", default=[], metavar="KEY=VALUE",
+                    help="switch: a polyrl TrainConfig setting to change (repeatable), e.g. skip_zero_adv=no")
     ap.add_argument("--mem-hidden", type=int, default=640)
     ap.add_argument("--mem-layers", type=int, default=10)
     ap.add_argument("--mem-vocab", type=int, default=152064)
@@ -500,6 +532,13 @@ def main() -> None:
                 print(f"{fw}: {med(got['step_s']):.3f} s/step under the profiler "
                       f"(generate {med(got['generate_s']):.3f} s, update {med(got['update_s']):.3f} s)")
                 print(table.read_text())
+        elif args.what == "switch":
+            if not args.polyrl_set or not all("=" in kv for kv in args.polyrl_set):
+                sys.exit("switch needs --polyrl-set KEY=VALUE (e.g. skip_zero_adv=no)")
+            changes = {k: _value(v) for k, v in (kv.split("=", 1) for kv in args.polyrl_set)}
+            result = switched({**base, "model": demo_model(), "lr": args.lr}, args.rounds, changes)
+            write("switch", result)
+            print(json.dumps({k: v for k, v in result.items() if k != "spec"}, indent=2))
         elif args.what == "memory":
             model = scaling_model(Path(tmp) / "mem", args.mem_hidden, args.mem_layers, vocab_pad=args.mem_vocab)
             spec = {**base, "model": model, "reward": "digits", "max_new_tokens": args.mem_length,

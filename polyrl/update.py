@@ -16,7 +16,7 @@ import functools
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Literal, Protocol
 
 import torch
 from torch import Tensor
@@ -105,7 +105,8 @@ def _pack(order: list[int], members: list[Tensor], longest: Tensor, max_rows: in
 
 def update_policy(learner: Learner, method: Method, s: Scored, counters: UpdateCounters, *, epochs: int,
                   minibatches: int, micro_batch_size: int, horizon: int, topk: int, reuse_old: bool, seed: int,
-                  max_bad_steps: int, micro_batch_tokens: int = 0, skip_zero_adv: bool = False) -> dict[str, float]:
+                  max_bad_steps: int, micro_batch_tokens: int = 0,
+                  skip_zero_adv: Literal["auto", "yes", "no"] = "no") -> dict[str, float]:
     """Run the optimizer steps on one scored batch; return averaged objective/*, perf/* and critic/* metrics.
 
     Micro-batches: ``plan_micro_batches`` (at most ``micro_batch_size`` rows; with ``micro_batch_tokens`` > 0 packed
@@ -115,10 +116,11 @@ def update_policy(learner: Learner, method: Method, s: Scored, counters: UpdateC
     so the update's own detached log-probs serve as pi_old (TRL does the same); across ranks each
     rank fills the rows it ran and the rows are summed, so every rank ends with the full ``s.old_logp``.
 
-    ``skip_zero_adv`` (only for a method with ``zero_adv_rows_inert``): rows whose advantage is 0 at every loss token
-    run in micro-batches of their own, forward only -- they have no gradient and leave the others' loss unchanged,
-    so the step is the same without their backward; their forward still fills pi_old and the metrics. A minibatch
-    with no other row runs as usual (AdamW still steps on its momentum after a zero gradient).
+    ``skip_zero_adv`` "auto" or "yes" (only for a method with ``zero_adv_rows_inert``): rows whose advantage is 0 at
+    every loss token run in micro-batches of their own, forward only -- they have no gradient and leave the others'
+    loss unchanged, so the step is the same without their backward; their forward still fills pi_old and the metrics.
+    "auto": where ``plan_passes`` finds the backward saved worth the passes added; "yes": wherever a row is left with
+    a gradient.
     """
     tb, mask = s.tb, s.mask
     B, T = tb.completion_mask.shape
@@ -130,7 +132,7 @@ def update_policy(learner: Learner, method: Method, s: Scored, counters: UpdateC
     zero_grad_counts = torch.zeros(2, 4)
     step_gen = torch.Generator().manual_seed(seed)
     own = _OwnRows(s.old_logp) if reuse_old else None  # the rows this rank computed (reuse_old)
-    inert = ((s.adv == 0) | (mask == 0)).all(-1) if skip_zero_adv else torch.zeros(B, dtype=torch.bool)
+    inert = ((s.adv == 0) | (mask == 0)).all(-1) if skip_zero_adv != "no" else torch.zeros(B, dtype=torch.bool)
     forward_only = 0  # rows that ran without a backward, over all epochs
     for _epoch in range(epochs):
         order = torch.randperm(B, generator=step_gen) if minibatches > 1 else torch.arange(B)
@@ -139,10 +141,11 @@ def update_policy(learner: Learner, method: Method, s: Scored, counters: UpdateC
             group_tokens = group_token_counts(mask[mb], s.group_ids[mb])
             finite = True
             units = s.group_ids[mb] if pairs else torch.arange(len(mb))
-            frozen = inert[mb] if not bool(inert[mb].all()) else torch.zeros(len(mb), dtype=torch.bool)
-            forward_only += int(frozen.sum())
-            for grad, index, micro in _passes(learner, lengths[mb], units, frozen, max_rows=micro_batch_size,
-                                              max_tokens=micro_batch_tokens, prompt_width=tb.input_ids.shape[1] - T):
+            passes = plan_passes(lengths[mb], units, inert[mb], max_rows=micro_batch_size,
+                                 max_tokens=micro_batch_tokens, prompt_width=tb.input_ids.shape[1] - T,
+                                 always=skip_zero_adv == "yes")
+            forward_only += sum(len(m) for grad, micro_batches in passes if not grad for m in micro_batches)
+            for grad, index, micro in _this_rank(learner, passes):
                 real = index is not None  # else a zero-weight pass that keeps the ranks in lockstep
                 rows = mb[micro]
                 batch, w = tb.rows(rows).trimmed() if micro_batch_tokens > 0 else (tb.rows(rows), T)
@@ -204,7 +207,7 @@ def update_policy(learner: Learner, method: Method, s: Scored, counters: UpdateC
     zero_grad_counts = learner.all_sum(zero_grad_counts)
     metrics = {k: v / max(1, n_micro) for k, v in micro_sums.items()}
     metrics.update({k: v / max(1, n_steps) for k, v in step_sums.items()})
-    if skip_zero_adv:
+    if skip_zero_adv != "no":
         metrics["perf/forward_only_frac"] = forward_only / max(1, B * epochs)
     for q in range(4):
         if zero_grad_counts[1, q] > 0:
@@ -212,13 +215,38 @@ def update_policy(learner: Learner, method: Method, s: Scored, counters: UpdateC
     return metrics
 
 
-def _passes(learner: Learner, lengths: Tensor, units: Tensor, frozen: Tensor, **plan) -> Iterator[
-        tuple[bool, int | None, Tensor]]:
-    """(with gradient, micro-batch index or None for a zero-weight pass, positions in the minibatch) of this rank's
-    passes: the micro-batches of the rows with a gradient, then those of the ``frozen`` rows (forward only); each
-    list is sharded on its own, so every rank runs as many passes of each kind, in the same order."""
-    for grad, rows in ((True, torch.nonzero(~frozen).squeeze(1)), (False, torch.nonzero(frozen).squeeze(1))):
-        micro_batches = [rows[m] for m in plan_micro_batches(lengths[rows], units[rows], **plan)] if len(rows) else []
+# What one more pass costs, in tokens of forward (Python and small kernels), measured where it is largest against the
+# compute: the demo's model (1.1M, 64 rows x 15 tokens, 1 CPU thread; ``benchmarks/zero_adv_rows.py --skip yes
+# --length 8 --prompt 7``) ran 8, 16, 32 zero-advantage rows in a forward-only pass of their own at 0.99, 0.94, 0.83
+# of the plain update's time: a pass costs about the forward of 210-260 tokens there. Larger models make it smaller.
+PASS_COST_TOKENS = 256
+
+
+def plan_passes(lengths: Tensor, units: Tensor, inert: Tensor, *, max_rows: int, max_tokens: int, prompt_width: int,
+                always: bool = False) -> list[tuple[bool, list[Tensor]]]:
+    """The passes of one minibatch: [(with gradient, micro-batches as positions in the minibatch)].
+
+    The ``inert`` rows (A = 0 everywhere, a method whose loss then gives them no gradient) run forward only, in
+    micro-batches of their own, when the backward saved (2 forwards of their padded tokens) outweighs the passes
+    added (``PASS_COST_TOKENS`` each), or ``always``; never when no row would be left with a gradient (AdamW still
+    steps on its momentum after a zero gradient): then, or else, every row runs forward and backward."""
+    caps = dict(max_rows=max_rows, max_tokens=max_tokens, prompt_width=prompt_width)
+    plain = [(True, plan_micro_batches(lengths, units, **caps))]
+    n = int(inert.sum())
+    if n == 0 or n == len(inert):
+        return plain
+    split = []
+    for grad, rows in ((True, torch.nonzero(~inert).squeeze(1)), (False, torch.nonzero(inert).squeeze(1))):
+        split.append((grad, [rows[m] for m in plan_micro_batches(lengths[rows], units[rows], **caps)]))
+    added = len(split[0][1]) + len(split[1][1]) - len(plain[0][1])
+    saved = 2 * sum(len(m) * (prompt_width + int(lengths[m].max())) for m in split[1][1])
+    return split if always or saved > added * PASS_COST_TOKENS else plain
+
+
+def _this_rank(learner: Learner, passes: list[tuple[bool, list[Tensor]]]) -> Iterator[tuple[bool, int | None, Tensor]]:
+    """(with gradient, micro-batch index or None for a zero-weight pass, its positions) of this rank's passes: each
+    kind's micro-batches are sharded on their own, so every rank runs as many passes of each kind, in one order."""
+    for grad, micro_batches in passes:
         for index in learner.shard(len(micro_batches)):
             yield grad, index, micro_batches[0 if index is None else index]
 

@@ -150,7 +150,7 @@ def _update(learner, method, case, seed: int, zero_rows: tuple[int, ...] = ()) -
     rec = _Recorder(learner)
     metrics = update_policy(rec, method, s, SimpleNamespace(bad_steps=0, skipped_total=0), epochs=1,
                             minibatches=minibatches, micro_batch_size=mbs, horizon=6, topk=topk, reuse_old=reuse_old,
-                            seed=seed, max_bad_steps=3, skip_zero_adv=bool(zero_rows))
+                            seed=seed, max_bad_steps=3, skip_zero_adv="yes" if zero_rows else "no")
     return dict(metrics=metrics, grads=rec.grads, norms=rec.norms, old_logp=s.old_logp, old_topk=s.old_topk,
                 values=s.values, params=_state(learner.model),
                 critic=None if learner.critic is None else _state(learner.critic))

@@ -251,8 +251,8 @@ def test_each_speed_setting_leaves_training_as_it_was(tiny_model, tmp_path, swit
     assert max(float((fast_w[k] - plain_w[k]).abs().max()) for k in plain_w) < 1e-5
 
 
-def _zero_adv_update(model_dir: str, skip: bool, adv: torch.Tensor, *, minibatches: int) -> dict:
-    """Two epochs of ``update_policy`` (pi_old from the update, 3-row micro-batches) on one seeded 8-row batch."""
+def _zero_adv_update(model_dir: str, skip: str, adv: torch.Tensor, *, minibatches: int) -> dict:
+    """Two epochs of ``update_policy`` (pi_old from the update, 2-row micro-batches) on one seeded 8-row batch."""
     from types import SimpleNamespace
 
     from polyrl.batch import TokenBatch
@@ -262,7 +262,7 @@ def _zero_adv_update(model_dir: str, skip: bool, adv: torch.Tensor, *, minibatch
 
     model, _ = load_policy(model_dir, threads=1)
     learner = LocalLearner(model, lr=1e-2, weight_decay=0.01, warmup_steps=0, max_grad_norm=1.0, temperature=1.0,
-                           top_p=1.0, top_k=0, fp32_head=False, micro_batch_size=3)
+                           top_p=1.0, top_k=0, fp32_head=False, micro_batch_size=2)
     g = torch.Generator().manual_seed(3)
     B, P, T = adv.shape[0], 4, 6
     lengths = torch.tensor([6, 2, 5, 6, 3, 1, 4, 6])
@@ -283,7 +283,7 @@ def _zero_adv_update(model_dir: str, skip: bool, adv: torch.Tensor, *, minibatch
 
     learner.step = recorded_step
     metrics = update_policy(learner, method, s, SimpleNamespace(bad_steps=0, skipped_total=0), epochs=2,
-                            minibatches=minibatches, micro_batch_size=3, horizon=T, topk=0, reuse_old=True, seed=0,
+                            minibatches=minibatches, micro_batch_size=2, horizon=T, topk=0, reuse_old=True, seed=0,
                             max_bad_steps=3, micro_batch_tokens=30, skip_zero_adv=skip)
     return dict(metrics=metrics, old_logp=s.old_logp, grads=grads,
                 weights={k: v.detach().clone() for k, v in model.state_dict().items()})
@@ -293,11 +293,11 @@ def _zero_adv_update(model_dir: str, skip: bool, adv: torch.Tensor, *, minibatch
 def test_zero_advantage_rows_forward_only_give_the_same_step(tiny_model, minibatches):
     """Rows 1, 2, 5 and 6 have A = 0: with skip_zero_adv they run forward only (pi_old and the metrics still see
     them) and the weights after two epochs are those of the plain update. With 2 minibatches of shuffled rows the
-    count of forward-only rows follows the shuffle, except where a minibatch holds no other row (it runs as usual:
-    AdamW still steps on its momentum)."""
+    count of forward-only rows follows the shuffle: a minibatch's zero-advantage rows run forward only unless they are
+    all its rows (then it runs as usual: AdamW still steps on its momentum)."""
     adv = torch.tensor([1.0, 0.0, 0.0, -0.5, 2.0, 0.0, 0.0, -1.5])
-    plain = _zero_adv_update(tiny_model, False, adv, minibatches=minibatches)
-    fast = _zero_adv_update(tiny_model, True, adv, minibatches=minibatches)
+    plain = _zero_adv_update(tiny_model, "no", adv, minibatches=minibatches)
+    fast = _zero_adv_update(tiny_model, "yes", adv, minibatches=minibatches)  # a forward-only pass even if it costs
     assert len(fast["grads"]) == len(plain["grads"]) == 2 * minibatches
     for got, want in zip(fast["grads"], plain["grads"]):  # float32 rounding of another summation order
         assert float((got - want).abs().max()) <= 1e-5 * float(want.abs().max())
@@ -309,5 +309,28 @@ def test_zero_advantage_rows_forward_only_give_the_same_step(tiny_model, minibat
     frac = fast["metrics"]["perf/forward_only_frac"]
     assert frac == 0.5 if minibatches == 1 else 0 < frac <= 0.5  # 4 of 8 rows (in a minibatch with a live row)
     # every row at A = 0: nothing is left out (the plain step), and the fraction says so
-    none = _zero_adv_update(tiny_model, True, torch.zeros(8), minibatches=minibatches)
+    none = _zero_adv_update(tiny_model, "yes", torch.zeros(8), minibatches=minibatches)
     assert none["metrics"]["perf/forward_only_frac"] == 0.0
+
+
+def test_zero_advantage_rows_run_forward_only_where_their_backward_outweighs_a_pass():
+    from polyrl.update import PASS_COST_TOKENS, plan_passes
+
+    def kinds(inert, lengths, always=False, **caps):
+        got = plan_passes(torch.tensor(lengths), torch.arange(len(lengths)), torch.tensor(inert), prompt_width=1,
+                          always=always, **caps)
+        return [(grad, sorted(int(i) for m in micro for i in m), len(micro)) for grad, micro in got]
+
+    assert PASS_COST_TOKENS == 256
+    four = [4, 4, 4, 4]  # 5 tokens a row: 2 rows under 12 tokens, so all four rows take 2 passes
+    # two inert rows: 1 pass with a gradient + 1 without, no pass added, 2 x 10 tokens of backward saved
+    assert kinds([True, True, False, False], four, max_rows=4, max_tokens=12) == [(True, [2, 3], 1),
+                                                                                  (False, [0, 1], 1)]
+    # one: the 3 others still take 2 passes, so a pass is added for 2 x 5 tokens of backward -- unless always
+    assert kinds([True, False, False, False], four, max_rows=4, max_tokens=12) == [(True, [0, 1, 2, 3], 2)]
+    assert kinds([True, False, False, False], four, True, max_rows=4, max_tokens=12)[1] == (False, [0], 1)
+    # one pass of all four rows becomes two: worth it for 2 x 2 x 65 = 260 tokens, not for 2 x 2 x 61 = 244
+    assert kinds([True, True, False, False], [64, 64, 4, 4], max_rows=4, max_tokens=0)[1] == (False, [0, 1], 1)
+    assert kinds([True, True, False, False], [60, 60, 4, 4], max_rows=4, max_tokens=0) == [(True, [0, 1, 2, 3], 1)]
+    # every row inert: no row would have a gradient, so the plain step runs (AdamW steps on its momentum)
+    assert kinds([True] * 4, four, True, max_rows=4, max_tokens=12) == [(True, [0, 1, 2, 3], 2)]
