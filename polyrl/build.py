@@ -192,7 +192,9 @@ def _not_inert(method) -> str:
         return f"its trust region {tr!r} couples rows or gives A = 0 a gradient (no zero_adv_inert tag)"
     if method.kl is not None and method.kl_coef > 0 and method.kl_placement == "loss":
         return f"its KL term ({method.kl.name} x {method.kl_coef:g}) is in the loss"
-    return "its entropy bonus or entropy_top reads every row"
+    if method.entropy_grad:
+        return "its entropy bonus gives every row a gradient"
+    return f"entropy_top = {method.entropy_top:g} picks tokens by an entropy threshold over all the rows"
 
 
 def check_combinations(cfg: TrainConfig, method, task) -> None:

@@ -126,14 +126,19 @@ def update_policy(learner: Learner, method: Method, s: Scored, counters: UpdateC
     B, T = tb.completion_mask.shape
     pairs = "whole_groups" in TRUST_REGIONS.spec(method.trust_region.name).tags  # a group's rows stay together
     lengths = tb.completion_mask.sum(-1).long()
-    micro_sums: dict[str, float] = {}  # per micro-batch metrics, averaged at the end
+    micro_sums: dict[str, float] = {}  # per micro-batch metrics (token means) x its loss tokens
     step_sums: dict[str, float] = {}  # per optimizer step metrics
-    n_micro = n_steps = 0
+    n_steps, counts = 0, torch.zeros(3, dtype=torch.float64)  # (loss tokens, step losses summed, forward-only rows)
     zero_grad_counts = torch.zeros(2, 4)
     step_gen = torch.Generator().manual_seed(seed)
     own = _OwnRows(s.old_logp) if reuse_old else None  # the rows this rank computed (reuse_old)
+    if skip_zero_adv != "no" and not method.zero_adv_rows_inert:
+        if skip_zero_adv == "yes":
+            raise ValueError(f"skip_zero_adv = 'yes' needs a method whose zero-advantage rows have no gradient "
+                             f"(Method.zero_adv_rows_inert); {method.name!r} is not one")
+        skip_zero_adv = "no"  # auto: nothing to skip for this method
     inert = ((s.adv == 0) | (mask == 0)).all(-1) if skip_zero_adv != "no" else torch.zeros(B, dtype=torch.bool)
-    forward_only = 0  # rows that ran without a backward, over all epochs
+    world = int(learner.all_sum(torch.ones(1))) if bool(inert.any()) else 1  # data-parallel ranks (a collective)
     for _epoch in range(epochs):
         order = torch.randperm(B, generator=step_gen) if minibatches > 1 else torch.arange(B)
         for mb in order.chunk(minibatches):
@@ -142,9 +147,8 @@ def update_policy(learner: Learner, method: Method, s: Scored, counters: UpdateC
             finite = True
             units = s.group_ids[mb] if pairs else torch.arange(len(mb))
             passes = plan_passes(lengths[mb], units, inert[mb], max_rows=micro_batch_size,
-                                 max_tokens=micro_batch_tokens, prompt_width=tb.input_ids.shape[1] - T,
-                                 always=skip_zero_adv == "yes")
-            forward_only += sum(len(m) for grad, micro_batches in passes if not grad for m in micro_batches)
+                                 max_tokens=micro_batch_tokens, prompt_width=tb.input_ids.shape[1] - T, full_width=T,
+                                 world=world, always=skip_zero_adv == "yes")
             for grad, index, micro in _this_rank(learner, passes):
                 real = index is not None  # else a zero-weight pass that keeps the ranks in lockstep
                 rows = mb[micro]
@@ -179,10 +183,11 @@ def update_policy(learner: Learner, method: Method, s: Scored, counters: UpdateC
                     learner.backward(out.loss if real else out.loss * 0.0)
                     if real:
                         zero_grad_counts += zeros
-                if real:
-                    n_micro += 1
-                for k, v in {**out.metrics, "objective/loss": out.loss.detach()}.items():
-                    micro_sums[k] = micro_sums.get(k, 0.0) + (float(v) if real else 0.0)
+                tokens = float(cut(mask).sum()) if real else 0.0
+                ran = [tokens, float(out.loss.detach()), 0.0 if grad else len(rows)] if real else [0.0, 0.0, 0.0]
+                counts += torch.tensor(ran, dtype=torch.float64)
+                for k, v in out.metrics.items():  # token means, so weighted by tokens: the same for any split
+                    micro_sums[k] = micro_sums.get(k, 0.0) + float(v) * tokens
             grad_norm = learner.step() if finite else float("nan")  # a non-finite norm skips the update too
             if not math.isfinite(grad_norm):  # skip the step, count it, stop when it keeps happening
                 learner.skip_step()
@@ -201,12 +206,12 @@ def update_policy(learner: Learner, method: Method, s: Scored, counters: UpdateC
     if own is not None:
         own.merge(learner, s)
     keys = sorted(micro_sums)  # the same on every rank: each ran the same passes of the same method
-    totals = learner.all_sum(torch.tensor([*(micro_sums[k] for k in keys), n_micro], dtype=torch.float64))
-    summed = dict(zip(keys, totals[:-1].tolist()))
-    micro_sums, n_micro = {k: summed[k] for k in micro_sums}, int(totals[-1])
-    zero_grad_counts = learner.all_sum(zero_grad_counts)
-    metrics = {k: v / max(1, n_micro) for k, v in micro_sums.items()}
+    totals = learner.all_sum(torch.cat([torch.tensor([micro_sums[k] for k in keys], dtype=torch.float64), counts]))
+    tokens, loss_sum, forward_only = totals[-3:].tolist()
+    metrics = {k: v / max(1.0, tokens) for k, v in zip(keys, totals[:-3].tolist())}
+    metrics["objective/loss"] = loss_sum / (epochs * minibatches)  # the step loss, averaged over steps
     metrics.update({k: v / max(1, n_steps) for k, v in step_sums.items()})
+    zero_grad_counts = learner.all_sum(zero_grad_counts)
     if skip_zero_adv != "no":
         metrics["perf/forward_only_frac"] = forward_only / max(1, B * epochs)
     for q in range(4):
@@ -223,24 +228,37 @@ PASS_COST_TOKENS = 256
 
 
 def plan_passes(lengths: Tensor, units: Tensor, inert: Tensor, *, max_rows: int, max_tokens: int, prompt_width: int,
-                always: bool = False) -> list[tuple[bool, list[Tensor]]]:
+                full_width: int, world: int = 1, always: bool = False) -> list[tuple[bool, list[Tensor]]]:
     """The passes of one minibatch: [(with gradient, micro-batches as positions in the minibatch)].
 
     The ``inert`` rows (A = 0 everywhere, a method whose loss then gives them no gradient) run forward only, in
-    micro-batches of their own, when the backward saved (2 forwards of their padded tokens) outweighs the passes
-    added (``PASS_COST_TOKENS`` each), or ``always``; never when no row would be left with a gradient (AdamW still
-    steps on its momentum after a zero gradient): then, or else, every row runs forward and backward."""
+    micro-batches of their own, when that costs less (or ``always``); never when no row would be left with a gradient
+    (AdamW still steps on its momentum after a zero gradient): then, or else, every row runs forward and backward.
+    The cost is the busiest of ``world`` ranks' (``learner.shard`` deals micro-batch i to rank i mod world, a padding
+    pass repeats micro-batch 0; ranks wait for each other): for each pass ``PASS_COST_TOKENS`` + its padded tokens x 3
+    (forward and backward) or x 1 (forward only); a pass is trimmed to its longest row with ``max_tokens``, else runs
+    ``full_width`` completion columns. An estimate: shared prompts (one forward per group) count once per row. Every
+    rank computes the same plan from the same whole batch."""
     caps = dict(max_rows=max_rows, max_tokens=max_tokens, prompt_width=prompt_width)
-    plain = [(True, plan_micro_batches(lengths, units, **caps))]
+    plain = [(True, list(plan_micro_batches(lengths, units, **caps)))]
     n = int(inert.sum())
     if n == 0 or n == len(inert):
         return plain
     split = []
     for grad, rows in ((True, torch.nonzero(~inert).squeeze(1)), (False, torch.nonzero(inert).squeeze(1))):
         split.append((grad, [rows[m] for m in plan_micro_batches(lengths[rows], units[rows], **caps)]))
-    added = len(split[0][1]) + len(split[1][1]) - len(plain[0][1])
-    saved = 2 * sum(len(m) * (prompt_width + int(lengths[m].max())) for m in split[1][1])
-    return split if always or saved > added * PASS_COST_TOKENS else plain
+
+    def cost(passes: list[tuple[bool, list[Tensor]]]) -> float:
+        ranks = [0.0] * world
+        for grad, micro in passes:
+            sizes = [len(m) * (prompt_width + (int(lengths[m].max()) if max_tokens > 0 else full_width)) for m in micro]
+            for k in range(-(-len(micro) // world)):
+                for r in range(world):
+                    i = k * world + r
+                    ranks[r] += PASS_COST_TOKENS + (3 if grad else 1) * sizes[i if i < len(micro) else 0]
+        return max(ranks)
+
+    return split if always or cost(split) < cost(plain) else plain
 
 
 def _this_rank(learner: Learner, passes: list[tuple[bool, list[Tensor]]]) -> Iterator[tuple[bool, int | None, Tensor]]:

@@ -350,3 +350,16 @@ def test_padding_garbage_never_changes_token_level_outputs():
         a = adv(name, [1.0, 0.0, 0.5], [0, 0, 1], mask=mask, values=v, token_rewards=tr)
         b = adv(name, [1.0, 0.0, 0.5], [0, 0, 1], mask=mask, values=v2, token_rewards=tr2)
         assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("name", [s.name for s in ADVANTAGES if "needs_groups" in s.tags
+                                  and "needs_sum_pi_sq" not in s.tags  # (token baselines: other inputs)
+                                  and s.name != "reinforce_pp_baseline"])  # whitens after centring: -mu/sigma
+def test_a_group_of_equal_rewards_has_advantage_exactly_zero(name):
+    """Eight rewards of 0.1: their float64 mean was an ulp off 0.1, which gave grpo A ~ 1e-11 instead of 0 (and kept
+    those rows' backward in the update). A group's mean is now its value when every reward in it is equal."""
+    rewards = torch.cat([torch.full((8,), 0.1, dtype=D), torch.linspace(0.0, 1.0, 8, dtype=D)])
+    group_ids = torch.arange(16) // 8
+    got = ADVANTAGES.fn(name)(rewards, group_ids, torch.ones(16, 3, dtype=D), None, None)
+    assert (got[:8] == 0).all(), got[:8]
+    assert (got[8:] != 0).any()

@@ -291,11 +291,11 @@ def _zero_adv_update(model_dir: str, skip: str, adv: torch.Tensor, *, minibatche
 
 @pytest.mark.parametrize("minibatches", [1, 2])
 def test_zero_advantage_rows_forward_only_give_the_same_step(tiny_model, minibatches):
-    """Rows 1, 2, 5 and 6 have A = 0: with skip_zero_adv they run forward only (pi_old and the metrics still see
+    """Rows 1, 2 and 5 have A = 0: with skip_zero_adv they run forward only (pi_old and the metrics still see
     them) and the weights after two epochs are those of the plain update. With 2 minibatches of shuffled rows the
     count of forward-only rows follows the shuffle: a minibatch's zero-advantage rows run forward only unless they are
     all its rows (then it runs as usual: AdamW still steps on its momentum)."""
-    adv = torch.tensor([1.0, 0.0, 0.0, -0.5, 2.0, 0.0, 0.0, -1.5])
+    adv = torch.tensor([1.0, 0.0, 0.0, -0.5, 2.0, 0.0, 0.7, -1.5])
     plain = _zero_adv_update(tiny_model, "no", adv, minibatches=minibatches)
     fast = _zero_adv_update(tiny_model, "yes", adv, minibatches=minibatches)  # a forward-only pass even if it costs
     assert len(fast["grads"]) == len(plain["grads"]) == 2 * minibatches
@@ -304,10 +304,12 @@ def test_zero_advantage_rows_forward_only_give_the_same_step(tiny_model, minibat
     # two Adam steps amplify that rounding where consecutive gradients nearly cancel (as in test_fsdp)
     assert max(float((fast["weights"][k] - plain["weights"][k]).abs().max()) for k in plain["weights"]) < 1e-4
     torch.testing.assert_close(fast["old_logp"], plain["old_logp"], atol=1e-6, rtol=0)
-    assert fast["metrics"]["objective/loss"] == pytest.approx(plain["metrics"]["objective/loss"], abs=1e-6)
+    for key, value in plain["metrics"].items():  # token-weighted: the same whatever the passes (4 vs 3 + 2 here)
+        if key.startswith(("objective/", "position/")):
+            assert fast["metrics"][key] == pytest.approx(value, abs=1e-6), key
     assert "perf/forward_only_frac" not in plain["metrics"]
     frac = fast["metrics"]["perf/forward_only_frac"]
-    assert frac == 0.5 if minibatches == 1 else 0 < frac <= 0.5  # 4 of 8 rows (in a minibatch with a live row)
+    assert frac == 3 / 8 if minibatches == 1 else 0 < frac <= 3 / 8  # (in a minibatch with a live row)
     # every row at A = 0: nothing is left out (the plain step), and the fraction says so
     none = _zero_adv_update(tiny_model, "yes", torch.zeros(8), minibatches=minibatches)
     assert none["metrics"]["perf/forward_only_frac"] == 0.0
@@ -318,7 +320,7 @@ def test_zero_advantage_rows_run_forward_only_where_their_backward_outweighs_a_p
 
     def kinds(inert, lengths, always=False, **caps):
         got = plan_passes(torch.tensor(lengths), torch.arange(len(lengths)), torch.tensor(inert), prompt_width=1,
-                          always=always, **caps)
+                          full_width=max(lengths), always=always, **caps)
         return [(grad, sorted(int(i) for m in micro for i in m), len(micro)) for grad, micro in got]
 
     assert PASS_COST_TOKENS == 256
@@ -334,3 +336,9 @@ def test_zero_advantage_rows_run_forward_only_where_their_backward_outweighs_a_p
     assert kinds([True, True, False, False], [60, 60, 4, 4], max_rows=4, max_tokens=0) == [(True, [0, 1, 2, 3], 1)]
     # every row inert: no row would have a gradient, so the plain step runs (AdamW steps on its momentum)
     assert kinds([True] * 4, four, True, max_rows=4, max_tokens=12) == [(True, [0, 1, 2, 3], 2)]
+    # 16 rows of 65 tokens, 8 a pass, 4 inert. One rank: 2 x (256 + 3 x 520) = 3632 plain, split (256 + 3 x 520) +
+    # (256 + 3 x 260) + (256 + 260) = 3368. Two ranks: 1816 plain, split 2332 on rank 0 ([8] then the forward-only
+    # [4]) while rank 1 repeats [4] as its padding pass: the ranks wait for the busiest, so no split.
+    sixteen, four_inert = [64] * 16, [True] * 4 + [False] * 12
+    assert [k[0] for k in kinds(four_inert, sixteen, max_rows=8, max_tokens=0)] == [True, False]
+    assert [k[0] for k in kinds(four_inert, sixteen, max_rows=8, max_tokens=0, world=2)] == [True]

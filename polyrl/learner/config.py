@@ -57,6 +57,7 @@ class SpeedConfig:
     size); 0 = consecutive chunks of micro_batch_size rows, padded to the batch's longest row"""
     skip_zero_adv: Literal["auto", "yes", "no"] = field(default="auto", metadata={"flag": "skip_zero_adv"})
     """rows whose advantage is 0 at every token (a GRPO group whose completions all scored alike) run forward only,
-    for pi_old and the metrics, without a backward: the method's loss gives them no gradient (its trust region is
-    tagged zero_adv_inert, no KL term in the loss, no entropy bonus or entropy_top); auto = wherever that holds, yes =
-    the same but a method without it is refused, no = every row runs forward and backward"""
+    for pi_old and the metrics, without a backward, where the method's loss gives them no gradient (its trust region
+    is tagged zero_adv_inert, no KL term in the loss, no entropy bonus or entropy_top): auto = where that also costs
+    less than the pass it may add (update.plan_passes), yes = wherever a row keeps a gradient (a method without the
+    property is refused), no = every row runs forward and backward"""

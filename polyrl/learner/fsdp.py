@@ -150,8 +150,9 @@ class FSDPLearner:
             return self.critic(_to(batch, self.device)).cpu()
 
     def logprobs(self, batch: TokenBatch, *, grad: bool, topk: int = 0) -> TokenLogprobs:
-        """Log-probs, entropy (and top-K) of this rank's rows (``update_policy`` gives each rank its micro-batches)."""
-        self.model.train(grad)
+        """Log-probs, entropy (and top-K) of this rank's rows (``update_policy`` gives each rank its micro-batches); in
+        train mode with or without ``grad``, as ``LocalLearner.logprobs``."""
+        self.model.train()
         with torch.set_grad_enabled(grad):
             out = TokenLogprobs(*self._forward(self.model, batch, topk))
         if not grad:  # FSDP2 leaves the root's parameters gathered for the backward it expects; with none to come,

@@ -185,8 +185,9 @@ class LocalLearner:
         self.micro_batch_size = micro_batch_size
 
     def logprobs(self, batch: TokenBatch, *, grad: bool, topk: int = 0) -> TokenLogprobs:
-        """Log-probs, entropy (and top-K) of the completion tokens under the sampling distribution."""
-        self.model.train(grad)
+        """Log-probs, entropy (and top-K) of the completion tokens under the sampling distribution. Train mode with or
+        without ``grad``: the update's forward-only passes (zero-advantage rows) see the model its other passes see."""
+        self.model.train()
         with torch.set_grad_enabled(grad):
             return completion_logprobs(self.model, batch.input_ids, batch.attention_mask, batch.completion_mask,
                                        fp32_head=self.fp32_head, topk=topk, **self.sampling)

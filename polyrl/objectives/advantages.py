@@ -60,7 +60,12 @@ def _group_stats(r: Tensor, group_ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     counts.index_add_(0, inv, torch.ones_like(inv, dtype=r.dtype))
     sums = torch.zeros((n_groups, *r.shape[1:]), dtype=r.dtype, device=r.device).index_add_(0, inv, r)
     n = counts[inv].reshape(-1, *([1] * (r.dim() - 1)))
-    mean = sums[inv] / n
+    # A group of equal rewards has its value as mean exactly: the sum of n copies over n can be an ulp off (eight
+    # 0.1s gave every row A ~ 1e-11 instead of 0, which also kept their backward in the update, update.py).
+    idx = inv.reshape(-1, *([1] * (r.dim() - 1))).expand_as(r)
+    hi = torch.full_like(sums, -torch.inf).scatter_reduce(0, idx, r, "amax")
+    lo = torch.full_like(sums, torch.inf).scatter_reduce(0, idx, r, "amin")
+    mean = torch.where(hi[inv] == lo[inv], r, sums[inv] / n)
     sq = torch.zeros_like(sums).index_add_(0, inv, (r - mean) ** 2)
     return n, mean, sq[inv]
 

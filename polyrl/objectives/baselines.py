@@ -64,9 +64,9 @@ def opo(
     """
     r = _seq_rewards(rewards, mask, token_rewards)
     lengths = (mask.detach() > 0).to(r.dtype).sum(-1)
-    n, _, _ = _group_stats(r, group_ids)
+    n, _, sq = _group_stats(r, group_ids)
     _, wmean, _ = _group_stats(torch.stack([lengths * r, lengths], -1), group_ids)  # group means of l*r and l
-    baseline = _div(wmean[:, 0], wmean[:, 1])
+    baseline = torch.where(sq == 0, r, _div(wmean[:, 0], wmean[:, 1]))  # a group of equal rewards: A = 0 exactly
     return torch.where(n > 1, r - baseline, torch.zeros_like(r))
 
 
