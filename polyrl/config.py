@@ -253,7 +253,9 @@ def build_config(values: dict[str, Any], cls: type = TrainConfig) -> Any:
             else isinstance(value, base)
         )
         if not ok:
-            raise ConfigError(f"{s.name} = {value!r} must be {getattr(base, '__name__', base)}")
+            allowed = ("one of " + ", ".join(map(repr, typing.get_args(s.type)))
+                       if typing.get_origin(s.type) is Literal else getattr(base, "__name__", base))
+            raise ConfigError(f"{s.name} = {value!r} must be {allowed}")
         value = float(value) if base is float else value
         if len(s.path) == 1:
             top[s.name] = value

@@ -107,7 +107,9 @@ def update_policy(learner: Learner, method: Method, s: Scored, counters: UpdateC
                   minibatches: int, micro_batch_size: int, horizon: int, topk: int, reuse_old: bool, seed: int,
                   max_bad_steps: int, micro_batch_tokens: int = 0,
                   skip_zero_adv: Literal["auto", "yes", "no"] = "no") -> dict[str, float]:
-    """Run the optimizer steps on one scored batch; return averaged objective/*, perf/* and critic/* metrics.
+    """Run the optimizer steps on one scored batch; return its metrics: objective/* as means over the loss tokens of
+    every pass (each pass's token means weighted by its tokens, so any split gives the same numbers), objective/loss
+    the step loss averaged over the optimizer steps, perf/* and critic/* averaged over the steps taken.
 
     Micro-batches: ``plan_micro_batches`` (at most ``micro_batch_size`` rows; with ``micro_batch_tokens`` > 0 packed
     by length under that token cap and trimmed of the columns that are padding in all their rows).

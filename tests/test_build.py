@@ -194,3 +194,13 @@ def test_the_likelihood_predictor_is_refused_with_custom_reward_functions(tiny_m
                   "--reward-funcs", "task,tests.reward_fns:digit_fraction"], tmp_path)
     _resolve(["--model", tiny_model, "--sampler", "tree", "--tree-predictor", "likelihood", "--reward-funcs", "task"],
              tmp_path)
+
+
+@pytest.mark.parametrize("name,value,allowed", [("skip_zero_adv", True, "one of 'auto', 'yes', 'no'"),
+                                                ("steps", "3", "must be int")])
+def test_a_value_of_the_wrong_type_names_what_is_allowed(name, value, allowed):
+    """A TOML value of the wrong type (``skip_zero_adv = true``) is refused naming the field, the value and the
+    allowed values, not the annotation's repr."""
+    with pytest.raises(ConfigError) as e:
+        build_config({name: value})
+    assert str(e.value).startswith(f"{name} = {value!r}") and allowed in str(e.value), str(e.value)
