@@ -183,20 +183,6 @@ def _processes_from_launcher(cfg: TrainConfig, given: bool) -> None:
     cfg.scale.nproc = local_processes()
 
 
-def _not_inert(method) -> str:
-    """Why ``method.zero_adv_rows_inert`` is False, in words."""
-    from polyrl.registry import TRUST_REGIONS
-
-    tr = method.trust_region.name
-    if "zero_adv_inert" not in TRUST_REGIONS.spec(tr).tags:
-        return f"its trust region {tr!r} couples rows or gives A = 0 a gradient (no zero_adv_inert tag)"
-    if method.kl is not None and method.kl_coef > 0 and method.kl_placement == "loss":
-        return f"its KL term ({method.kl.name} x {method.kl_coef:g}) is in the loss"
-    if method.entropy_grad:
-        return "its entropy bonus gives every row a gradient"
-    return f"entropy_top = {method.entropy_top:g} picks tokens by an entropy threshold over all the rows"
-
-
 def check_combinations(cfg: TrainConfig, method, task) -> None:
     """Refuse, in one line naming both sides, a setting that the method, the task or another setting makes moot.
 
@@ -258,8 +244,9 @@ def check_combinations(cfg: TrainConfig, method, task) -> None:
         raise ConfigError(f"{name} = {getattr(given, name)!r} has no effect with method {method.name!r}: its "
                           f"advantage {adv!r} uses no critic (a critic preset such as ppo does)")
     if cfg.speed.skip_zero_adv == "yes" and not method.zero_adv_rows_inert:
-        raise ConfigError(f"skip_zero_adv = 'yes' is not allowed with method {method.name!r}: {_not_inert(method)}, "
-                          "so rows with zero advantage still need their backward (allowed: 'auto', 'no')")
+        raise ConfigError(f"skip_zero_adv = 'yes' is not allowed with method {method.name!r}: "
+                          f"{method.zero_adv_rows_active()}, so rows with zero advantage still need their backward "
+                          "(allowed: 'auto', 'no')")
     if cfg.max_gen_rounds != default.max_gen_rounds and (cfg.sampler == "tree" or not method.filters):
         why = "sampler = 'tree' spends a fixed budget" if cfg.sampler == "tree" else \
             f"method {method.name!r} has no group filter that could drop a group"

@@ -136,8 +136,8 @@ def update_policy(learner: Learner, method: Method, s: Scored, counters: UpdateC
     own = _OwnRows(s.old_logp) if reuse_old else None  # the rows this rank computed (reuse_old)
     if skip_zero_adv != "no" and not method.zero_adv_rows_inert:
         if skip_zero_adv == "yes":
-            raise ValueError(f"skip_zero_adv = 'yes' needs a method whose zero-advantage rows have no gradient "
-                             f"(Method.zero_adv_rows_inert); {method.name!r} is not one")
+            raise ValueError(f"skip_zero_adv = 'yes' is not allowed with method {method.name!r}: "
+                             f"{method.zero_adv_rows_active()}")
         skip_zero_adv = "no"  # auto: nothing to skip for this method
     inert = ((s.adv == 0) | (mask == 0)).all(-1) if skip_zero_adv != "no" else torch.zeros(B, dtype=torch.bool)
     world = int(learner.all_sum(torch.ones(1))) if bool(inert.any()) else 1  # data-parallel ranks (a collective)
@@ -225,7 +225,8 @@ def update_policy(learner: Learner, method: Method, s: Scored, counters: UpdateC
 # What one more pass costs, in tokens of forward (Python and small kernels), measured where it is largest against the
 # compute: the demo's model (1.1M, 64 rows x 15 tokens, 1 CPU thread; ``benchmarks/zero_adv_rows.py --skip yes
 # --length 8 --prompt 7``) ran 8, 16, 32 zero-advantage rows in a forward-only pass of their own at 0.99, 0.94, 0.83
-# of the plain update's time: a pass costs about the forward of 210-260 tokens there. Larger models make it smaller.
+# of the plain update's time: a pass costs about the forward of 210-260 tokens there. Elsewhere it differs (a larger
+# model makes it fewer tokens, FSDP's all-gathers a pass more): --skip-zero-adv yes or no overrides the estimate.
 PASS_COST_TOKENS = 256
 
 

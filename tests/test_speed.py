@@ -251,7 +251,7 @@ def test_each_speed_setting_leaves_training_as_it_was(tiny_model, tmp_path, swit
     assert max(float((fast_w[k] - plain_w[k]).abs().max()) for k in plain_w) < 1e-5
 
 
-def _zero_adv_update(model_dir: str, skip: str, adv: torch.Tensor, *, minibatches: int) -> dict:
+def _zero_adv_update(model_dir: str, skip: str, adv: torch.Tensor, *, minibatches: int, **overrides) -> dict:
     """Two epochs of ``update_policy`` (pi_old from the update, 2-row micro-batches) on one seeded 8-row batch."""
     from types import SimpleNamespace
 
@@ -272,8 +272,7 @@ def _zero_adv_update(model_dir: str, skip: str, adv: torch.Tensor, *, minibatche
     s = Scored(tb=tb, mask=tb.loss_mask, adv=adv[:, None].expand(B, T).clone(), group_ids=torch.arange(B) // 4,
                segment_ids=torch.zeros(B, T, dtype=torch.long), old_logp=torch.zeros(B, T), old_topk=None,
                ref_logp=None)
-    method = get_method("dapo", filters=[])
-    assert method.zero_adv_rows_inert
+    method = get_method("dapo", filters=[], **overrides)
     grads = []
     step = learner.step
 
@@ -313,6 +312,15 @@ def test_zero_advantage_rows_forward_only_give_the_same_step(tiny_model, minibat
     # every row at A = 0: nothing is left out (the plain step), and the fraction says so
     none = _zero_adv_update(tiny_model, "yes", torch.zeros(8), minibatches=minibatches)
     assert none["metrics"]["perf/forward_only_frac"] == 0.0
+
+
+def test_zero_advantage_rows_keep_their_backward_where_the_loss_gives_them_a_gradient(tiny_model):
+    """An entropy bonus gives every row a gradient: 'auto' runs every row forward and backward, 'yes' is refused."""
+    adv = torch.tensor([1.0, 0.0, 0.0, -0.5, 2.0, 0.0, 0.7, -1.5])
+    auto = _zero_adv_update(tiny_model, "auto", adv, minibatches=1, entropy_coef=0.01)
+    assert "perf/forward_only_frac" not in auto["metrics"]
+    with pytest.raises(ValueError, match="entropy bonus gives every row a gradient"):
+        _zero_adv_update(tiny_model, "yes", adv, minibatches=1, entropy_coef=0.01)
 
 
 def test_zero_advantage_rows_run_forward_only_where_their_backward_outweighs_a_pass():

@@ -86,12 +86,22 @@ class Method:
 
     @property
     def zero_adv_rows_inert(self) -> bool:
-        """True when a sequence whose advantages are all 0 gets no gradient and leaves the others' loss unchanged: a
-        trust region tagged ``zero_adv_inert`` and no loss term without A (KL in the loss, an entropy bonus, the
-        80/20 entropy selection over all tokens). The update may then run such rows forward only."""
-        kl_in_loss = self.kl is not None and self.kl_coef > 0 and self.kl_placement == "loss"
-        return ("zero_adv_inert" in TRUST_REGIONS.spec(self.trust_region.name).tags and not kl_in_loss
-                and not self.entropy_grad and self.entropy_top == 0)
+        """True when a sequence whose advantages are all 0 gets no gradient and leaves the others' loss unchanged, so
+        that the update may run such rows forward only; ``zero_adv_rows_active`` says why not."""
+        return self.zero_adv_rows_active() is None
+
+    def zero_adv_rows_active(self) -> str | None:
+        """Why a sequence whose advantages are all 0 still matters to the gradient, in words; None when it does not."""
+        tr = self.trust_region.name
+        if "zero_adv_inert" not in TRUST_REGIONS.spec(tr).tags:
+            return f"its trust region {tr!r} couples rows or gives A = 0 a gradient (no zero_adv_inert tag)"
+        if self.kl is not None and self.kl_coef > 0 and self.kl_placement == "loss":
+            return f"its KL term ({self.kl.name} x {self.kl_coef:g}) is in the loss"
+        if self.entropy_grad:
+            return "its entropy bonus gives every row a gradient"
+        if self.entropy_top > 0:
+            return f"entropy_top = {self.entropy_top:g} picks tokens by an entropy threshold over all the rows"
+        return None
 
     @property
     def needs_ref(self) -> bool:

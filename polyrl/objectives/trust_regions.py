@@ -74,10 +74,7 @@ def none(inp: LossInputs, log_ratio: Tensor) -> tuple[Tensor, dict[str, Tensor]]
 
 
 _EPS = {"eps_low": "[0, 1)", "eps_high": ">=0"}
-# vanilla_at_one: the gradient at ratio 1 is exactly -A grad lp. zero_adv_inert: each row's loss reads only its own
-# tokens (any micro-batch split gives the same loss) and a row whose advantages are all 0 gets no gradient, so the
-# update may run such rows forward only (update.py). The contract tests check both.
-_V1 = ("vanilla_at_one", "zero_adv_inert")
+_V1 = ("vanilla_at_one", "zero_adv_inert")  # what they promise: tests/test_contract.py, Method.zero_adv_rows_inert
 
 
 def _mean(x: Tensor, mask: Tensor) -> Tensor:
