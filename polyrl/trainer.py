@@ -226,7 +226,7 @@ def rl_step(cfg: TrainConfig, method: Method, state: TrainState, parts: Componen
                     sample_weight=batch.sample_weight)
     metrics = update_policy(learner, method, scored, state, epochs=cfg.epochs_per_batch, minibatches=cfg.minibatches,
                             micro_batch_size=cfg.micro_batch_size, micro_batch_tokens=cfg.speed.micro_batch_tokens,
-                            skip_zero_adv=cfg.speed.skip_zero_adv if method.zero_adv_rows_inert else "no",
+                            skip_zero_adv=cfg.speed.skip_zero_adv,
                             horizon=cfg.max_new_tokens, topk=topk,
                             reuse_old=reuse_old, seed=cfg.seed * 7919 + state.step, max_bad_steps=cfg.max_bad_steps)
     parts.source.after_update(learner.weights, state.step + 1)  # weights after this step are version step + 1

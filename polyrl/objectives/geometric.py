@@ -14,12 +14,9 @@ import math
 import torch
 from torch import Tensor
 
-from polyrl.objectives.trust_regions import LOG_RATIO_CLAMP, _frac
+from polyrl.objectives.trust_regions import _V1, LOG_RATIO_CLAMP, _frac
 from polyrl.registry import TRUST_REGIONS
 from polyrl.types import LossInputs
-
-_V1 = ("vanilla_at_one",)
-_INERT = ("vanilla_at_one", "zero_adv_inert")  # see trust_regions._V1; dro is not (A is not a factor of its loss)
 
 
 def _seq_sum(x: Tensor, mask: Tensor) -> Tensor:
@@ -33,7 +30,7 @@ def gmpo_clip(log_ratio: Tensor, adv: Tensor, eps_low: float, eps_high: float) -
     return torch.where(adv > 0, z.clamp(max=eps_high), torch.where(adv < 0, z.clamp(min=-eps_low), z))
 
 
-@TRUST_REGIONS.register("gmpo", paper="arXiv:2507.20673", ranges={"eps_low": ">=0", "eps_high": ">=0"}, tags=_INERT)
+@TRUST_REGIONS.register("gmpo", paper="arXiv:2507.20673", ranges={"eps_low": ">=0", "eps_high": ">=0"}, tags=_V1)
 def gmpo(
     inp: LossInputs, log_ratio: Tensor, *, eps_low: float = 0.4, eps_high: float = 0.4
 ) -> tuple[Tensor, dict[str, Tensor]]:
@@ -86,7 +83,7 @@ def vespo_weight(
     "vespo",
     paper="arXiv:2602.10693",
     ranges={"k_pos": ">=0", "lambda_pos": ">0", "k_neg": ">=0", "lambda_neg": ">0"},
-    tags=_INERT,
+    tags=_V1,
 )
 def vespo(
     inp: LossInputs,
@@ -113,7 +110,8 @@ def vespo(
     return -phi * inp.adv * inp.logp, {"phi_mean": phi_mean}
 
 
-@TRUST_REGIONS.register("dro", paper="arXiv:2405.19107", ranges={"beta": ">0"}, tags=_V1)
+@TRUST_REGIONS.register("dro", paper="arXiv:2405.19107", ranges={"beta": ">0"},
+                        tags=("vanilla_at_one",))  # not zero_adv_inert: A is not a factor of its squared residual
 def dro(inp: LossInputs, log_ratio: Tensor, *, beta: float = 0.05) -> tuple[Tensor, dict[str, Tensor]]:
     """Replace the clip by a quadratic log-ratio penalty on a REINFORCE term (verl loss_mode "dro").
 
