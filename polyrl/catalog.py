@@ -172,6 +172,10 @@ def explain_lines(method: Method) -> list[tuple[str, str, str, str]]:
     else:
         add("kl", method.kl, f"  x {method.kl_coef:g} in the {method.kl_placement}")
     out.append(("anchor", method.anchor, "", "ratio denominator: pi_old (recomputed) or mu (rollout engine)"))
+    active = method.zero_adv_rows_active()
+    out.append(("zero_adv_rows", "backward" if active else "forward only", "",
+                f"rows whose advantages are all 0 keep the backward: {active}" if active else
+                "rows whose advantages are all 0 get no gradient: they may skip the backward (--skip-zero-adv)"))
     if method.ref_sync_every:
         out.append(("ref_sync_every", str(method.ref_sync_every), "", "copy the policy into the reference"))
     for key, value in regulariser_settings(method).items():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -11,8 +12,9 @@ import pytest
 from polyrl.methods import PRESETS
 
 
-def run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "polyrl", *args], capture_output=True, text=True, timeout=120)
+def run(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "polyrl", *args], capture_output=True, text=True, timeout=120,
+                          env=env)
 
 
 def test_methods_lists_every_preset_and_json_is_complete():
@@ -31,6 +33,15 @@ def test_explain_dapo_shows_its_parts():
     assert out.returncode == 0, out.stderr
     for fragment in ("token_mean", "eps_low=0.2", "eps_high=0.28", "overlong_soft", "zero_variance", "2503.14476"):
         assert fragment in out.stdout, fragment
+
+
+def test_explain_says_whether_zero_advantage_rows_skip_the_backward():
+    """From the shipped manifest (grpo: its KL term keeps them) and from a live override (no KL: forward only)."""
+    env = {**os.environ, "COLUMNS": "400"}
+    line = [ln for ln in run("explain", "grpo", env=env).stdout.splitlines() if "zero_adv_rows" in ln]
+    assert len(line) == 1 and "keep the backward: its KL term (k3 x 0.04)" in line[0], line
+    line = [ln for ln in run("explain", "grpo", "--kl-coef", "0", env=env).stdout.splitlines() if "zero_adv_rows" in ln]
+    assert len(line) == 1 and "forward only" in line[0], line
 
 
 def test_explain_with_override_resolves_and_validates():

@@ -57,6 +57,20 @@ def test_otb_group_of_one_is_zero_and_kl_enters_the_reward_to_go():
     torch.testing.assert_close(adv, G - G.mean(0, keepdim=True))
 
 
+@pytest.mark.parametrize("fn", [otb, tir])
+def test_a_group_of_equal_rewards_has_advantage_exactly_zero(fn):
+    """verl's formula gives G eps / (sum W + eps) (~1e-9) where a group's G_t are all equal; polyrl gives 0 exactly,
+    so that those rows' backward is skipped (update.py). Unequal groups keep the formula: here two samples with
+    r = 1, 0 and the hand numbers of ``test_otb_hand_numbers_two_sample_group``."""
+    rewards = torch.cat([torch.full((4,), 0.1, dtype=D), R])
+    gids = torch.tensor([0, 0, 0, 0, 1, 1])
+    mask = torch.cat([lengths_mask([3, 1, 2, 3], 3), MASK])
+    pi, sq = torch.cat([torch.full((4, 3), 0.3, dtype=D), PI]), torch.cat([torch.full((4, 3), 0.2, dtype=D), SQ])
+    adv = fn(rewards, gids, mask, None, None, sq, pi.log(), zero_tail=False)
+    assert (adv[:4] == 0).all(), adv[:4]
+    torch.testing.assert_close(adv[4:], t([1 / 6, 8 / 33, 0.0], [-5 / 6, -25 / 33, 0.0]), atol=1e-7, rtol=0)
+
+
 def test_otb_with_equal_energy_in_every_sample_is_grpo_centred():
     g = torch.Generator().manual_seed(0)
     r, gids = torch.rand(12, generator=g, dtype=D), torch.arange(12) // 4

@@ -53,8 +53,14 @@ def _baseline(G: Tensor, W: Tensor, mask: Tensor, group_ids: Tensor, eps: float,
     num = torch.zeros(k, G.shape[1], dtype=G.dtype, device=G.device).index_add_(0, inv, G * W * live)
     den = torch.zeros(k, G.shape[1], dtype=G.dtype, device=G.device).index_add_(0, inv, W * live)
     base = num[inv] / (den[inv] + eps)
+    # Where every live sample of the group has the same G_t, the baseline is that G_t exactly: the weighted mean
+    # of equal values, which eps (a guard against 0/0) would otherwise pull off by G eps / (sum W + eps), so that
+    # such rows have A = 0 and their backward can be skipped (update.py).
+    idx = inv[:, None].expand_as(G)
+    hi = torch.full_like(num, -torch.inf).scatter_reduce(0, idx, torch.where(live > 0, G, -torch.inf), "amax")
+    lo = torch.full_like(num, torch.inf).scatter_reduce(0, idx, torch.where(live > 0, G, torch.inf), "amin")
     n = torch.zeros(k, dtype=G.dtype, device=G.device).index_add_(0, inv, torch.ones_like(inv, dtype=G.dtype))
-    base = torch.where(n[inv][:, None] > 1, base, G)  # a group of one: A = G - G = 0
+    base = torch.where((n[inv][:, None] > 1) & (hi[inv] != lo[inv]), base, G)  # a group of one: A = G - G = 0
     if zero_tail:
         lengths = live.sum(-1)
         for g in range(k):
@@ -91,7 +97,8 @@ def optimal_token_baseline(
     past the group's second-longest, the baseline is 0 (there it would be the sample's own G_t, advantage ~0).
     Convention: verl's compute_optimal_token_baseline_advantage (eps 1e-8, zero_tail False, no std
     normalisation, no rollout-IS factor rho^2 on w: the sampler's own probabilities need none), except that a
-    group of one gives 0 as every polyrl group estimator (verl: A = G_t); pi and sum pi^2 are the sampler's
+    group of one gives 0 as every polyrl group estimator (verl: A = G_t), and so does a position where the group's
+    live G_t are all equal (verl: G_t eps / (sum W + eps), ~1e-9); pi and sum pi^2 are the sampler's
     (after temperature/top-k/top-p) where verl recomputes them with the actor. A direct call without
     ``sum_pi_sq``/``sampled_logp`` uses w_j = 1 [assumed; training always passes both].
     """
