@@ -65,9 +65,11 @@ def part_changes(overrides: Mapping[str, Any]) -> dict[str, Any]:
     for key, plural in LIST_OVERRIDES.items():
         if overrides.get(key) is not None:
             changes[plural] = [v for v in overrides[key] if v != "none"]
-    if changes.get("kl") == "none":
-        changes["kl"], changes["kl_coef"] = None, 0.0
-        changes.setdefault("kl_target", 0.0)  # the adaptive controller goes with the term (unless given: refused)
+    if changes.get("kl") == "none":  # the coefficient, placement and controller go with the term (given: refused)
+        changes["kl"] = None
+        changes.setdefault("kl_coef", 0.0)
+        changes.setdefault("kl_placement", "loss")
+        changes.setdefault("kl_target", 0.0)
         changes.setdefault("kl_horizon", 10_000)
     return changes
 
@@ -243,10 +245,10 @@ def check_combinations(cfg: TrainConfig, method, task) -> None:
                     if getattr(given, n) != getattr(defaults, n))
         raise ConfigError(f"{name} = {getattr(given, name)!r} has no effect with method {method.name!r}: its "
                           f"advantage {adv!r} uses no critic (a critic preset such as ppo does)")
-    if cfg.speed.skip_zero_adv == "yes" and not method.zero_adv_rows_inert:
-        raise ConfigError(f"skip_zero_adv = 'yes' is not allowed with method {method.name!r}: "
-                          f"{method.zero_adv_rows_active()}, so rows with zero advantage still need their backward "
-                          "(allowed: 'auto', 'no')")
+    if cfg.speed.skip_zero_adv != "auto" and not method.zero_adv_rows_inert:  # 'no' is what runs anyway
+        raise ConfigError(f"skip_zero_adv = {cfg.speed.skip_zero_adv!r} is not allowed with method {method.name!r}: "
+                          f"{method.zero_adv_rows_active()}, so rows with zero advantage always keep their backward "
+                          "(allowed: 'auto')")
     if cfg.max_gen_rounds != default.max_gen_rounds and (cfg.sampler == "tree" or not method.filters):
         why = "sampler = 'tree' spends a fixed budget" if cfg.sampler == "tree" else \
             f"method {method.name!r} has no group filter that could drop a group"
@@ -359,6 +361,13 @@ def build_components(cfg: TrainConfig, method, task, model_dir: str) -> Componen
     # The reference is the distillation teacher when one is given (LoRA too); else a frozen copy of the starting
     # model (synced to the policy by Humanline presets); with LoRA, the policy itself with its adapters off.
     reference = _teacher(cfg, tokenizer)
+    if cfg.agency.baseline is not None:
+        from polyrl.distill import check_vocab
+
+        problem = check_vocab(tokenizer, cfg.agency.baseline, "agency",
+                              "agency transfer mixes the baseline's next-token distribution with the learner's")
+        if problem is not None:
+            raise ConfigError(problem)
     if reference is None and method.needs_ref:
         reference = BaseReference(adapters) if adapters is not None else \
             copy.deepcopy(policy).eval().requires_grad_(False)

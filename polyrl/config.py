@@ -21,6 +21,7 @@ import ast
 import dataclasses
 import difflib
 import inspect
+import math
 import os
 import textwrap
 import tomllib
@@ -256,6 +257,8 @@ def build_config(values: dict[str, Any], cls: type = TrainConfig) -> Any:
             allowed = ("one of " + ", ".join(map(repr, typing.get_args(s.type)))
                        if typing.get_origin(s.type) is Literal else getattr(base, "__name__", base))
             raise ConfigError(f"{s.name} = {value!r} must be {allowed}")
+        if base is float and not math.isfinite(value):
+            raise ConfigError(f"{s.name} = {value!r} must be a finite number")
         value = float(value) if base is float else value
         if len(s.path) == 1:
             top[s.name] = value
@@ -299,6 +302,7 @@ def validate(config: TrainConfig) -> None:
                  "async_staleness", "micro_batch_tokens"):
         v = getattr(cfg, name)
         _rule(name, v, v >= 0, "must be an integer >= 0")
+    _rule("seed", cfg.seed, 0 <= cfg.seed < 2**32, "must be an integer in [0, 2**32)")
     _rule("lr", cfg.lr, cfg.lr > 0, "must be > 0")
     _rule("critic_lr", cfg.critic_lr, cfg.critic_lr > 0, "must be > 0")
     _rule("weight_decay", cfg.weight_decay, cfg.weight_decay >= 0, "must be >= 0")
@@ -355,6 +359,8 @@ def validate(config: TrainConfig) -> None:
               "only applies with Ray rollout workers (add --rollout-workers N or --async-staleness k)")
     _rule("ray_cpus", cfg.ray_cpus, not cfg.ray_cpus or cfg.ray_address is None,
           "sizes the local Ray instance polyrl starts; a cluster joined with --ray-address has its own")
+    _rule("ray_cpus", cfg.ray_cpus, not cfg.ray_cpus or cfg.ray_cpus >= max(cfg.rollout_workers, 1),
+          f"must be >= the {max(cfg.rollout_workers, 1)} rollout worker(s) it hosts (one CPU each)")
     _rule("nproc", cfg.nproc, cfg.nproc >= 1, "must be an integer >= 1")
     _rule("nproc", cfg.nproc, cfg.nproc == 1 or not cfg.guard,
           "does not combine with --guard (the guard's rollback runs in one process)")

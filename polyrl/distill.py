@@ -58,8 +58,10 @@ def teacher_problem(teacher: str | None, method) -> str | None:
     return None
 
 
-def check_vocab(student_tokenizer, teacher: str) -> str | None:
-    """Why the teacher's tokenizer cannot score the student's tokens (one line), or None: same token -> id map."""
+def check_vocab(student_tokenizer, teacher: str, setting: str = "teacher",
+                why: str = "on-policy distillation scores the student's token ids under the teacher") -> str | None:
+    """Why the model in directory ``teacher`` (given as ``setting``) cannot score the student's tokens (one line), or
+    None: the same token -> id map."""
     from transformers import AutoTokenizer
 
     theirs = AutoTokenizer.from_pretrained(teacher, local_files_only=True).get_vocab()
@@ -67,9 +69,8 @@ def check_vocab(student_tokenizer, teacher: str) -> str | None:
     if theirs == ours:
         return None
     differ = sorted(set(ours.items()) ^ set(theirs.items()), key=lambda kv: (kv[1], kv[0]))
-    return (f"teacher = {teacher!r} does not share the student's tokenizer ({len(theirs)} vs {len(ours)} tokens; "
-            f"first difference: {differ[0][0]!r} -> id {differ[0][1]}); on-policy distillation scores the "
-            "student's token ids under the teacher, so both need the same vocabulary")
+    return (f"{setting} = {teacher!r} does not share the student's tokenizer ({len(theirs)} vs {len(ours)} tokens; "
+            f"first difference: {differ[0][0]!r} -> id {differ[0][1]}); {why}, so both need the same vocabulary")
 
 
 def load_teacher(teacher: str, *, dtype: str, threads: int | None) -> nn.Module:

@@ -11,7 +11,7 @@ import torch
 from rich.console import Console
 
 from polyrl.build import add_train_args, resolve_train
-from polyrl.config import ConfigError, TrainConfig, build_config, load_toml, settings
+from polyrl.config import ConfigError, TrainConfig, build_config, load_toml, settings, validate
 from polyrl.methods import get_method
 from polyrl.objectives.group_layout import advantages
 from polyrl.rollout.collect import RolloutBatch
@@ -65,6 +65,8 @@ MOOT = [
     ("teacher", "{data}", ["--method", "dr_grpo"]),  # no KL term whose reference the teacher could be
     ("skip_zero_adv", "yes", ["--method", "grpo"]),  # KL in the loss: zero-advantage rows keep a gradient
     ("skip_zero_adv", "yes", ["--method", "bapo"]),  # adaptive bounds over the micro-batch couple rows
+    ("skip_zero_adv", "no", ["--method", "grpo"]),  # what runs anyway: nothing to skip for this method
+    ("ray_cpus", 1, ["--rollout-workers", "2"]),  # less than one CPU per worker (was raised to 2 silently)
 ]
 # Fields that always change what runs (or how the run is kept and shown).
 ALWAYS = {"method", "task", "reward_funcs", "reward_weights", "model", "run_dir", "steps", "prompts_per_step",
@@ -197,10 +199,29 @@ def test_the_likelihood_predictor_is_refused_with_custom_reward_functions(tiny_m
 
 
 @pytest.mark.parametrize("name,value,allowed", [("skip_zero_adv", True, "one of 'auto', 'yes', 'no'"),
-                                                ("steps", "3", "must be int")])
+                                                ("steps", "3", "must be int"),
+                                                ("lr", float("inf"), "must be a finite number"),
+                                                ("tree_candidates", float("inf"), "must be a finite number"),
+                                                ("lora_dropout", float("nan"), "must be a finite number")])
 def test_a_value_of_the_wrong_type_names_what_is_allowed(name, value, allowed):
     """A TOML value of the wrong type (``skip_zero_adv = true``) is refused naming the field, the value and the
     allowed values, not the annotation's repr."""
     with pytest.raises(ConfigError) as e:
         build_config({name: value})
     assert str(e.value).startswith(f"{name} = {value!r}") and allowed in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("seed", [-1, 2**32])
+def test_a_seed_numpy_cannot_take_is_refused_before_the_run(seed):
+    """``--seed -1`` reached ``np.random.seed`` in the trainer (a traceback, and a run directory left behind)."""
+    with pytest.raises(ConfigError, match=rf"seed = {seed} is not allowed; must be an integer in \[0, 2\*\*32\)"):
+        validate(build_config({"seed": seed}))
+
+
+@pytest.mark.parametrize("weights", ["nan", "1,inf"])
+def test_reward_weights_must_be_finite(weights):
+    """``--reward-weights nan`` trained to exit 0 with every reward metric dropped as non-finite and a zero loss."""
+    from polyrl.tasks.rewards import parse_reward_specs
+
+    with pytest.raises(ValueError, match=rf"reward_weights = '{weights}' must be finite numbers"):
+        parse_reward_specs("task,task", weights)

@@ -12,6 +12,7 @@ import torch
 
 import polyrl.methods  # noqa: F401  (registers every part)
 from polyrl.objectives import build_method, policy_loss
+from polyrl.objectives.method_checks import moot_on_policy
 from polyrl.registry import (
     ADVANTAGES,
     AGGREGATIONS,
@@ -96,6 +97,20 @@ def test_vanilla_gradient_at_ratio_one(name):
     expected = torch.zeros_like(grad)
     expected[..., 0] = -inp.adv * inp.mask / inp.normalizer.num_seqs
     torch.testing.assert_close(grad, expected, rtol=1e-7, atol=1e-10)
+
+
+@pytest.mark.parametrize("name", TR_NAMES)
+def test_trust_regions_moot_under_the_on_policy_ratio_give_the_plain_gradient(name):
+    """``moot_on_policy`` (an override of an on_policy method with such a trust region is refused as having no effect)
+    holds exactly for those whose gradient under ratio 'on_policy' is the plain policy gradient ('none'), over
+    policies that differ (pi_theta, pi_old, mu, ref) and every aggregation."""
+    same = True
+    for seed, agg in enumerate(AGGREGATIONS.names()):
+        inp = make_inputs(seed=20 + seed, spread=1.0)
+        grads = [torch.autograd.grad(policy_loss(inp, _method(tr, "on_policy", agg)).loss, inp.topk_logp)[0]
+                 for tr in (name, "none")]
+        same = same and torch.allclose(*grads, rtol=1e-9, atol=1e-12)
+    assert same == moot_on_policy(name)
 
 
 def _zero_adv_rows_break(method) -> float:

@@ -175,6 +175,14 @@ def test_a_teacher_with_another_vocabulary_is_refused(tiny_model, tmp_path):
     assert "\n" not in str(e.value)
 
 
+def test_an_agency_baseline_with_another_vocabulary_is_refused(tiny_model, tmp_path):
+    """It crashed in the first evaluation (a [94] vs [85] size mismatch in the sampler) before this check."""
+    other = build_tiny_llama(tmp_path / "other", charset="0123456789+=- abc", hidden=16, layers=1, heads=2)
+    with pytest.raises(ConfigError, match=r"agency = .* does not share the student's tokenizer") as e:
+        build_components(_cfg(agency=str(other)), get_method("grpo"), AdditionTask(), tiny_model)
+    assert "\n" not in str(e.value)
+
+
 def test_opd_and_a_teacher_in_the_loss_are_accepted(tiny_model, tmp_path):
     plan = _resolve(["--model", tiny_model, "--method", "opd", "--teacher", tiny_model], tmp_path)
     assert plan.cfg.distill.teacher == tiny_model and plan.method.kl_placement == "reward"

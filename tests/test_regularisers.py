@@ -181,6 +181,29 @@ def test_settings_that_cannot_act_are_refused_in_one_line(changes, match):
     assert "\n" not in str(e.value)
 
 
+@pytest.mark.parametrize("preset,changes,match", [
+    ("dr_grpo", {"kl_placement": "reward"}, "kl_placement = 'reward' has no effect without a KL term"),
+    ("dr_grpo", {"kl": "k2"}, "kl = 'k2' has no effect with kl_coef = 0"),
+    ("grpo", {"kl": "none", "kl_coef": 0.5}, "kl_coef = 0.5 needs a KL estimator"),
+    ("grpo", {"kl": "none", "kl_placement": "reward"}, "kl_placement = 'reward' has no effect without a KL term"),
+    ("grpo", {"kl_coef": float("nan")}, "kl_coef = nan must be a finite number >= 0"),
+    ("reinforce", {"trust_region": "clip:eps_low=0.01"}, "trust_region = 'clip' has no effect with ratio 'on_policy'"),
+    ("rloo", {"anchor": "rollout"}, "anchor = 'rollout' has no effect with ratio 'on_policy'"),
+])
+def test_overrides_the_method_would_not_act_on_are_refused(preset, changes, match):
+    """Each of these ran before and trained exactly as the preset (the auditor compared the metrics)."""
+    with pytest.raises(PartError, match=match) as e:
+        method_from_overrides(preset, changes)
+    assert "\n" not in str(e.value)
+
+
+def test_overrides_that_act_are_kept():
+    assert method_from_overrides("reinforce_pp", {"kl": "none"}).kl_placement == "loss"  # the placement goes too
+    assert method_from_overrides("grpo", {"kl_coef": 0.0}).kl_coef == 0.0  # KL off by its coefficient
+    assert method_from_overrides("reinforce", {"trust_region": "troll"}).trust_region.name == "troll"  # reads top-K
+    assert method_from_overrides("reinforce", {"ratio": "token", "trust_region": "clip"}).ratio.name == "token"
+
+
 # --- value loss -------------------------------------------------------------------------------------------------------
 
 def test_clipped_value_loss_by_hand():

@@ -15,6 +15,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
+from polyrl.objectives.method_checks import check_overrides, check_settings
 from polyrl.objectives.regularisers import check_regularisers, high_entropy_mask
 from polyrl.registry import (
     ADVANTAGES,
@@ -157,16 +158,7 @@ def build_method(
     summary: str = "",
 ) -> Method:
     """Validate every part and return the Method (raises PartError with a one-line message)."""
-    if not isinstance(kl_coef, (int, float)) or isinstance(kl_coef, bool) or kl_coef < 0:
-        raise PartError(f"method {name!r}: kl_coef = {kl_coef!r} must be a number >= 0")
-    if kl_placement not in ("loss", "reward"):
-        raise PartError(f"method {name!r}: kl_placement = {kl_placement!r}; allowed: 'loss', 'reward'")
-    if anchor not in ("old", "rollout"):
-        raise PartError(f"method {name!r}: anchor = {anchor!r}; allowed: 'old', 'rollout'")
-    if not isinstance(ref_sync_every, int) or ref_sync_every < 0:
-        raise PartError(f"method {name!r}: ref_sync_every = {ref_sync_every!r} must be an integer >= 0")
-    if kl_coef > 0 and kl is None:
-        raise PartError(f"method {name!r}: kl_coef = {kl_coef} needs a KL estimator (kl=k1|k2|k3|...)")
+    check_settings(name, kl, kl_coef, kl_placement, anchor, ref_sync_every)
     check_regularisers(name, kl is not None and kl_coef > 0, kl_target, kl_horizon, entropy_coef, entropy_target,
                         entropy_delta, entropy_coef_max, entropy_top)
     return Method(
@@ -213,8 +205,10 @@ def override(method: Method, **changes: Any) -> Method:
         else:
             raise PartError(f"cannot override {key!r}; allowed: {', '.join([*single, *many, 'kl', *SETTINGS])}")
     new = replace(method, **out)
-    # Re-run the method-level checks on the combined result.
-    return build_method(**{f.name: getattr(new, f.name) for f in fields(new)})
+    # Re-run the method-level checks on the combined result, then refuse an override it would not act on.
+    composed = build_method(**{f.name: getattr(new, f.name) for f in fields(new)})
+    check_overrides(composed, changes)
+    return composed
 
 
 SETTINGS = ("kl_coef", "kl_placement", "kl_target", "kl_horizon", "entropy_coef", "entropy_target", "entropy_delta",

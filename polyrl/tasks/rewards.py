@@ -51,6 +51,8 @@ def parse_reward_specs(funcs: str | None, weights: str | None) -> tuple[list[str
         values = [float(w) for w in weights.split(",")] if weights else None
     except ValueError:
         raise ValueError(f"reward_weights = {weights!r} must be comma-separated numbers") from None
+    if values is not None and not all(math.isfinite(v) for v in values):
+        raise ValueError(f"reward_weights = {weights!r} must be finite numbers")
     return specs, values
 
 

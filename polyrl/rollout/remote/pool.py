@@ -66,7 +66,7 @@ class WorkerPool:
             raise WorkerError(f"Ray is already running in this process, so ray_address = {address!r} and ray_cpus = "
                               f"{cpus} would be ignored; leave them out to use it, or run polyrl in its own process")
         if self.owns_ray:
-            _start_ray(address, max(cpus or os.cpu_count() or 1, workers), gpus_per_worker)
+            _start_ray(address, cpus or max(os.cpu_count() or 1, workers), gpus_per_worker)  # cpus: checked >= workers
         _check_resources(ray.cluster_resources(), workers, gpus_per_worker)
         actor = ray.remote(RolloutWorker).options(max_restarts=MAX_RESTARTS, max_task_retries=MAX_RESTARTS,
                                                   num_cpus=1, num_gpus=gpus_per_worker)
