@@ -82,3 +82,47 @@ def test_run_evidence_end_to_end_micro(tmp_path):
     same = json.dumps(again["claims"]["drgrpo_length_bias"]["samples"]) == json.dumps(c["samples"])
     assert same  # the saved samples are reused, not rerun (compared as JSON: NaN != NaN)
     assert time.perf_counter() - t0 < 60
+
+
+def _evidence(capsys, *argv):
+    from polyrl.cli import main
+
+    rc = main(["evidence", *argv])
+    cap = capsys.readouterr()
+    return rc, [ln for ln in cap.err.strip().splitlines() if ln.strip()]
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["--workers", "0", "--report-only"], "workers = 0 is not allowed; allowed: an integer >= 1"),
+    (["--list", "--workers", "-3", "--report-only", "--budget", "full", "--write-docs"], "workers = -3"),
+    (["--list", "--budget", "full", "--out", "/nonexistent", "--report-only", "--no-write-docs"],
+     "--budget full, --out /nonexistent, --report-only, --no-write-docs: no effect with --list"),
+    (["--list", "--workers", "4"], "--workers 4: no effect with --list"),
+    (["--report-only", "--claims", "dapo_clip_higher"], "--claims dapo_clip_higher: no effect with --report-only"),
+    (["--report-only", "--workers", "3"], "--workers 3: no effect with --report-only"),
+])
+def test_cli_refuses_bad_workers_and_ignored_options_in_one_line(argv, fragment, tmp_path, capsys):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "results.json").write_text(json.dumps(_results("holds", None)))
+    rc, err = _evidence(capsys, *argv, *([] if "--out" in argv or "--list" in argv else ["--out", str(out)]))
+    assert rc == 2 and len(err) == 1 and fragment in err[0], err
+    assert sorted(p.name for p in out.iterdir()) == ["results.json"]  # no report was written
+
+
+def test_cli_list_takes_claims_and_report_only_reports_every_claim(tmp_path, capsys):
+    assert _evidence(capsys, "--list", "--claims", "dapo_clip_higher")[0] == 0
+    (tmp_path / "results.json").write_text(json.dumps(_results("holds", None)))
+    assert _evidence(capsys, "--report-only", "--out", str(tmp_path))[0] == 0
+    assert "## dapo_clip_higher" in (tmp_path / "evidence.md").read_text()
+
+
+def test_run_evidence_and_pmap_refuse_workers_below_one(tmp_path):
+    from polyrl.lab.claims_families import _pmap
+
+    with pytest.raises(ValueError, match="workers = 0 is not allowed"):
+        run_evidence(["drgrpo_length_bias"], Budget(1, 3), workers=0, out=tmp_path / "o", registry=CLAIMS)
+    assert not (tmp_path / "o").exists()
+    with pytest.raises(ValueError, match="workers = 0 is not allowed"):
+        _pmap(lambda x: x, [(1,)], 0)
+    assert _pmap(lambda x: x * 2, [(1,), (2,)], 1) == [2, 4]

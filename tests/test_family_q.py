@@ -270,3 +270,32 @@ def test_cli_resume_continues_the_run_exactly(tmp_path, capsys):
     assert "steps" in (tmp_path / "cli" / "config_history.jsonl").read_text()
     rc, out = _main(capsys, "q", "train", "--resume", "--alpha", "0.5", "--run-dir", run)
     assert rc == 2 and "alpha = 0.5 differs" in out
+
+
+def test_negative_seed_is_refused_before_the_run_dir_is_written(tmp_path, capsys):
+    from polyrl.families.q.train import validate_config
+
+    with pytest.raises(ConfigError, match=r"^seed = -1 is not allowed; allowed: an integer >= 0$"):
+        validate_config(QTrainConfig(seed=-1))
+    run = tmp_path / "run"
+    rc, out = _main(capsys, "q", "train", "--seed", "-1", "--run-dir", str(run))
+    lines = [ln for ln in out.strip().splitlines() if ln.strip()]
+    assert rc == 2 and len(lines) == 1 and "seed = -1 is not allowed; allowed: an integer >= 0" in lines[0], lines
+    assert not run.exists()  # no config.json left behind: a rerun needs no --overwrite
+
+
+def test_search_refuses_a_negative_seed_and_an_existing_result(tmp_path, capsys):
+    out = tmp_path / "search"
+    rc, text = _main(capsys, "q", "search", "--seed", "-1", "--out", str(out))
+    lines = [ln for ln in text.strip().splitlines() if ln.strip()]
+    assert rc == 2 and len(lines) == 1 and "seed = -1 is not allowed; allowed: an integer >= 0" in lines[0], lines
+    assert not out.exists()
+    out.mkdir()
+    (out / "search.json").write_text('{"seed": 0}')
+    rc, text = _main(capsys, "q", "search", "--seed", "3", "--out", str(out))
+    lines = [ln for ln in text.strip().splitlines() if ln.strip()]
+    assert rc == 2 and len(lines) == 1 and "already holds search.json; pass --overwrite" in lines[0], lines
+    assert json.loads((out / "search.json").read_text()) == {"seed": 0}
+    rc, text = _main(capsys, "q", "search", "--seed", "3", "--out", str(out), "--overwrite")
+    assert rc == 0, text
+    assert json.loads((out / "search.json").read_text())["seed"] == 3

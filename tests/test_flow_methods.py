@@ -47,11 +47,35 @@ def test_overrides_keep_other_parameters_and_revalidate():
     (lambda: get_flow_method("flow_grpo", clip=0.1), "cannot override 'clip'"),
     (lambda: get_flow_method("flow_grpo", loss="flow_clip:clip=0"), "'clip' = 0.0 is out of range; allowed: >0"),
     (lambda: build_flow_method("x", advantage="grpo", loss="nope"), "unknown flow_loss 'nope'"),
+    (lambda: get_flow_method("flow_dppo", cfm_samples=5),
+     "cfm_samples = 5 has no effect with loss 'flow_dppo'; allowed only with a loss tagged 'cfm': fpo"),
+    (lambda: get_flow_method("fpo", loss="flow_clip", cfm_samples=8), "cfm_samples = 8 has no effect"),
+    (lambda: get_flow_method("fpo", reduce="sum"), "reduce = 'sum' has no effect with loss 'fpo'"),
+    (lambda: get_flow_method("fpo", reduce="mean"), "reduce = 'mean' has no effect with loss 'fpo'"),
+    (lambda: build_flow_method("x", advantage="grpo", loss="flow_clip", cfm_samples=3),
+     "cfm_samples = 3 does not apply to loss 'flow_clip'"),
 ])
 def test_bad_values_are_one_line_errors_naming_field_and_value(call, fragment):
     with pytest.raises(PartError) as e:
         call()
     assert fragment in str(e.value) and "\n" not in str(e.value)
+
+
+def test_settings_the_loss_reads_are_kept_and_a_dropped_preset_value_is_not_recorded():
+    assert get_flow_method("fpo", cfm_samples=3).cfm_samples == 3
+    assert get_flow_method("flow_dppo", reduce="sum").reduce == "sum"
+    # fpo's own 8 (t, eps) pairs would be recorded but never read once the loss is a per-step one
+    assert get_flow_method("fpo", loss="flow_clip").cfm_samples == 0
+    assert get_flow_method("flow_dppo", loss="fpo", cfm_samples=4).cfm_samples == 4
+
+
+def test_minibatches_above_the_actions_per_batch_are_refused():
+    validate_config(FlowTrainConfig(groups=1, group_size=2, minibatches=2))
+    with pytest.raises(ValueError, match=r"minibatches = 3 is not allowed; allowed: 1 to 2, the actions per batch"):
+        validate_config(FlowTrainConfig(groups=1, group_size=2, minibatches=3))
+    validate_config(FlowTrainConfig(task="reach", groups=1, group_size=2, minibatches=10))  # horizon 5
+    with pytest.raises(ValueError, match="minibatches = 11 .* reach horizon 5"):
+        validate_config(FlowTrainConfig(task="reach", groups=1, group_size=2, minibatches=11))
 
 
 def test_config_validation_names_the_field():
@@ -77,6 +101,9 @@ def test_pretrain_is_cached(tmp_path):
     (["flow", "train", "--steps", "0"], "steps = 0"),
     (["flow", "train", "--loss", "flow_dppo:kl_threshold=-1"], "'kl_threshold' = -1.0 is out of range"),
     (["flow", "train", "--task", "pong"], "task = 'pong'"),
+    (["flow", "train", "--method", "flow_dppo", "--cfm-samples", "5"], "cfm_samples = 5 has no effect"),
+    (["flow", "train", "--method", "fpo", "--reduce", "sum"], "reduce = 'sum' has no effect with loss 'fpo'"),
+    (["flow", "train", "--groups", "1", "--group-size", "2", "--minibatches", "50"], "minibatches = 50"),
 ])
 def test_cli_errors_are_one_line_exit_2(argv, fragment, capsys):
     assert main(argv) == 2

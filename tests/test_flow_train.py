@@ -13,7 +13,7 @@ from polyrl.families.flow.methods import FLOW_METHODS, get_flow_method
 from polyrl.families.flow.policy import one_hot
 from polyrl.families.flow.sampler import sample_sde
 from polyrl.families.flow.tasks import get_task, mode_reward
-from polyrl.families.flow.train import FlowTrainConfig, initial_policy, train_flow
+from polyrl.families.flow.train import FlowTrainConfig, _train_step, initial_policy, train_flow
 
 torch.set_num_threads(1)
 
@@ -38,6 +38,30 @@ def test_fpo_trains_reach_from_scratch(tmp_path):
     s = short_run("fpo", tmp_path, task="reach", steps=12, eval_samples=256)
     assert s["pretrained"] is None
     assert s["reward_after"] > s["reward_before"] + 0.15, (s["reward_before"], s["reward_after"])
+
+
+class CountingAdam(torch.optim.Adam):
+    """Adam that counts its steps (the optimizer steps of one rollout batch)."""
+
+    steps = 0
+
+    def step(self, closure=None):
+        self.steps += 1
+        return super().step(closure)
+
+
+def test_every_pass_takes_exactly_minibatches_steps():
+    # 1 group x 2 episodes x reach's horizon 5 = 10 actions in 6 minibatches: chunk gave 5 pieces of 2
+    from polyrl.families.flow.losses import FLOW_LOSSES
+    from polyrl.registry import ADVANTAGES
+
+    cfg = FlowTrainConfig(task="reach", groups=1, group_size=2, minibatches=6, updates_per_batch=2, sampler_steps=2)
+    task, method = get_task("reach"), get_flow_method("fpo")
+    policy, _ = initial_policy(task, 0)
+    opt = CountingAdam(policy.parameters(), lr=1e-3)
+    _train_step(policy, policy, task, method, cfg, opt, FLOW_LOSSES.fn("fpo"), ADVANTAGES.fn("grpo"),
+                torch.Generator().manual_seed(0))
+    assert opt.steps == 12
 
 
 def test_reach_points_rebuild_the_final_position():

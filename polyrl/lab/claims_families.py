@@ -60,8 +60,13 @@ FLOW_BLOWUP_KL = 1e3
 
 
 def _pmap(fn, jobs: list[tuple], workers: int) -> list[Any]:
-    """``[fn(*job) for job in jobs]``, at most ``workers`` at once (each job is a subprocess), in order."""
-    with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+    """``[fn(*job) for job in jobs]``, at most ``workers`` at once (each job is a subprocess), in order.
+
+    ``workers < 1`` is refused (ValueError), not clamped to 1: `polyrl evidence` refuses it before any run.
+    """
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise ValueError(f"workers = {workers!r} is not allowed; allowed: an integer >= 1")
+    with ThreadPoolExecutor(max_workers=workers) as pool:
         return list(pool.map(lambda job: fn(*job), jobs))
 
 

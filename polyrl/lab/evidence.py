@@ -35,6 +35,7 @@ def _fingerprint(claim: Claim) -> str:
 def run_evidence(ids: list[str], budget: str | Budget, *, workers: int, out: Path, registry: dict[str, Claim],
                  progress=None) -> dict[str, Any]:
     """Run each claim (skipping saved samples), decide it, write OUT/results.json; return the results dict."""
+    check_workers(workers)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     res_path = out / "results.json"
@@ -186,6 +187,59 @@ def write_reports(results: dict[str, Any], registry: dict[str, Claim], out: Path
         (docs / "evidence.md").write_text(md)
 
 
+DEFAULT_BUDGET, DEFAULT_WORKERS = "quick", 2
+
+
+def check_workers(workers: int) -> None:
+    """Refuse ``workers < 1`` (ValueError, one line) instead of clamping it: a clamped value is silently ignored."""
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise ValueError(f"workers = {workers!r} is not allowed; allowed: an integer >= 1")
+
+
+def _given(args: Any, names: tuple[str, ...]) -> list[str]:
+    """The options among ``names`` given on the command line, as 'flag value'.
+
+    The parser's defaults mark "not given": None, and False for the store_true flags (``write_docs`` is a
+    --write-docs/--no-write-docs pair, so False there is given).
+    """
+    out = []
+    for name in names:
+        value = getattr(args, name)
+        if value is None or (value is False and name != "write_docs"):
+            continue
+        flag = "--" + name.replace("_", "-")
+        if name == "write_docs":
+            flag = "--write-docs" if value else "--no-write-docs"
+        out.append(flag if isinstance(value, bool) else f"{flag} {value}")
+    return out
+
+
+def check_args(args: Any) -> None:
+    """Refuse, in one line, a bad ``--workers`` and options that ``--list`` or ``--report-only`` would ignore.
+
+    ``--list`` only prints the claims (``--claims`` filters them) and runs nothing. ``--report-only`` renders every
+    claim in OUT/results.json: in a normal run too the report covers all of them, not only ``--claims`` (filtering
+    here would also drop the other claims from docs/evidence/results.json under ``--write-docs``).
+    """
+    from polyrl.config import ConfigError
+
+    if args.workers is not None:
+        try:
+            check_workers(args.workers)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+    if args.list:
+        unused = _given(args, ("budget", "workers", "out", "report_only", "write_docs"))
+        if unused:
+            raise ConfigError(f"{', '.join(unused)}: no effect with --list, which prints the claims (filtered by "
+                              "--claims) and runs nothing; allowed with --list: --claims")
+    elif args.report_only:
+        unused = _given(args, ("claims", "workers"))
+        if unused:
+            raise ConfigError(f"{', '.join(unused)}: no effect with --report-only, which runs nothing and reports "
+                              "every claim in OUT/results.json; allowed with it: --budget, --out, --write-docs")
+
+
 def cli_main(args: Any, console: Any) -> int:
     """`polyrl evidence`: --list, run the chosen claims at a budget (rich progress), write the reports."""
     from rich.table import Table
@@ -193,6 +247,9 @@ def cli_main(args: Any, console: Any) -> int:
     from polyrl.config import ConfigError
     from polyrl.lab.claims import CLAIMS
 
+    check_args(args)
+    budget = args.budget or DEFAULT_BUDGET
+    workers = DEFAULT_WORKERS if args.workers is None else args.workers
     ids = [c.strip() for c in args.claims.split(",") if c.strip()] if args.claims else list(CLAIMS)
     bad = [c for c in ids if c not in CLAIMS]
     if bad:
@@ -207,11 +264,11 @@ def cli_main(args: Any, console: Any) -> int:
                           "yes" if c.stability else "")
         console.print(table)
         return 0
-    out = Path(args.out or f"runs/evidence/{args.budget}")
-    write_docs = args.write_docs if args.write_docs is not None else args.budget == "full"
+    out = Path(args.out or f"runs/evidence/{budget}")
+    write_docs = args.write_docs if args.write_docs is not None else budget == "full"
     docs_results = Path("docs") / "evidence" / "results.json"
     if write_docs and not (out / "results.json").exists() and docs_results.exists() \
-            and json.loads(docs_results.read_text()).get("budget") == args.budget:
+            and json.loads(docs_results.read_text()).get("budget") == budget:
         # A fresh OUT (e.g. a new checkout): start from the committed results, so that running some claims
         # updates theirs and keeps every other claim's in docs/evidence/results.json.
         out.mkdir(parents=True, exist_ok=True)
@@ -224,13 +281,13 @@ def cli_main(args: Any, console: Any) -> int:
         from rich.progress import Progress
 
         with Progress(console=console) as bar:
-            task = bar.add_task(f"evidence ({args.budget})", total=len(ids))
+            task = bar.add_task(f"evidence ({budget})", total=len(ids))
 
             def progress(done, total, cid, verdict):
                 bar.update(task, completed=done)
                 console.print(f"{cid}: [bold]{verdict}[/bold]")
 
-            results = run_evidence(ids, args.budget, workers=args.workers, out=out, registry=CLAIMS,
+            results = run_evidence(ids, budget, workers=workers, out=out, registry=CLAIMS,
                                    progress=progress)
     write_reports(results, CLAIMS, out, docs=Path("docs") if write_docs else None)
     console.print(f"wrote {out / 'evidence.md'} and {out / 'evidence.html'}" + (" and docs/evidence.md" if write_docs

@@ -105,8 +105,10 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--advantage", help="advantage estimator, e.g. grpo, rloo, group_centered_batch_std")
     g.add_argument("--schedule", help="SDE noise schedule: flow_grpo, dance or cps")
     g.add_argument("--eta", type=float, help="noise level of the schedule")
-    g.add_argument("--reduce", help="step log-prob unit: mean (per dimension) or sum")
-    g.add_argument("--cfm-samples", dest="cfm_samples", type=int, help="(t, eps) pairs per action for FPO")
+    g.add_argument("--reduce", help="step log-prob unit: mean (per dimension) or sum; only for losses that read "
+                   "step log-probs (not fpo)")
+    g.add_argument("--cfm-samples", dest="cfm_samples", type=int, help="(t, eps) pairs per action; only for "
+                   "losses tagged cfm (fpo)")
 
 
 def check_train_flags(argv: list[str]) -> None:

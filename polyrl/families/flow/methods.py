@@ -72,7 +72,28 @@ def build_flow_method(name: str, *, advantage: PartLike, loss: PartLike, schedul
     method = FlowMethod(name, adv, part, schedule, eta, reduce, cfm_samples, paper, summary)
     if method.needs_cfm and cfm_samples < 1:
         raise PartError(f"{where}: loss {part.name!r} needs cfm_samples >= 1, got {cfm_samples}")
+    if not method.needs_cfm and cfm_samples:
+        raise PartError(f"{where}: cfm_samples = {cfm_samples} does not apply to loss {part.name!r}; allowed: 0, "
+                        f"or a loss tagged 'cfm' ({', '.join(_tagged('cfm'))})")
     return method
+
+
+def _tagged(tag: str) -> list[str]:
+    """Names of the flow losses carrying ``tag`` (for the 'allowed' half of a refusal)."""
+    return [spec.name for spec in FLOW_LOSSES if tag in spec.tags]
+
+
+def _refuse_unread(name: str, loss: Part, given: dict[str, Any]) -> None:
+    """Refuse an explicitly given sampler setting that the loss never reads, so that no flag is silently ignored.
+
+    ``cfm_samples`` only feeds losses tagged 'cfm' (FPO's stored (t, eps) pairs); ``reduce`` is the unit of the
+    step log-probs, which only losses tagged 'steps' read (rollouts and the path KL do not depend on it).
+    """
+    tags = FLOW_LOSSES.spec(loss.name).tags
+    for key, tag in (("cfm_samples", "cfm"), ("reduce", "steps")):
+        if key in given and tag not in tags:
+            raise PartError(f"flow method {name!r}: {key} = {given[key]!r} has no effect with loss {loss.name!r}; "
+                            f"allowed only with a loss tagged {tag!r}: {', '.join(_tagged(tag))}")
 
 
 FLOW_METHODS: dict[str, Callable[[], FlowMethod]] = {}
@@ -123,7 +144,10 @@ def fpo() -> FlowMethod:
 
 
 def get_flow_method(name: str, **overrides: Any) -> FlowMethod:
-    """Preset ``name`` with overrides (advantage, loss, schedule, eta, reduce, cfm_samples), validated."""
+    """Preset ``name`` with overrides (advantage, loss, schedule, eta, reduce, cfm_samples), validated.
+
+    None means "not given". A given ``cfm_samples`` or ``reduce`` that the (final) loss does not read is refused.
+    """
     if name not in FLOW_METHODS:
         raise unknown("flow method", name, FLOW_METHODS)
     m = FLOW_METHODS[name]()
@@ -134,6 +158,9 @@ def get_flow_method(name: str, **overrides: Any) -> FlowMethod:
     fields = {k: v for k, v in overrides.items() if v is not None}
     adv = resolve_part(ADVANTAGES, fields.pop("advantage"), m.advantage) if "advantage" in fields else m.advantage
     loss = resolve_part(FLOW_LOSSES, fields.pop("loss"), m.loss) if "loss" in fields else m.loss
-    base = dict(schedule=m.schedule, eta=m.eta, reduce=m.reduce, cfm_samples=m.cfm_samples)
+    _refuse_unread(name, loss, fields)
+    # A preset's own cfm_samples (fpo: 8) is dropped when the loss is overridden by one that reads none.
+    keep_cfm = "cfm" in FLOW_LOSSES.spec(loss.name).tags
+    base = dict(schedule=m.schedule, eta=m.eta, reduce=m.reduce, cfm_samples=m.cfm_samples if keep_cfm else 0)
     base.update(fields)
     return build_flow_method(m.name, advantage=adv, loss=loss, paper=m.paper, summary=m.summary, **base)

@@ -50,7 +50,7 @@ class FlowTrainConfig:
     updates_per_batch: int = 2
     """passes over each rollout batch, pi_old frozen first (Flow-DPPO recipe: 2)"""
     minibatches: int = 1
-    """optimizer steps per pass"""
+    """optimizer steps per pass (at most the actions per batch: groups x group_size x task horizon)"""
     lr: float = 5e-4
     """Adam learning rate"""
     max_grad_norm: float = 1.0
@@ -75,7 +75,19 @@ def validate_config(cfg: FlowTrainConfig) -> None:
         raise ValueError(f"lr = {cfg.lr!r} is not allowed; allowed: > 0")
     if not (math.isfinite(cfg.max_grad_norm) and cfg.max_grad_norm >= 0):
         raise ValueError(f"max_grad_norm = {cfg.max_grad_norm!r} is not allowed; allowed: >= 0")
-    get_task(cfg.task)
+    _check_minibatches(cfg, get_task(cfg.task))
+
+
+def _check_minibatches(cfg: FlowTrainConfig, task) -> None:
+    """Refuse more minibatches than actions in a batch: a pass could not take ``minibatches`` optimizer steps.
+
+    A batch holds groups x group_size episodes of ``horizon`` actions each (1 for the bandit tasks).
+    """
+    actions = cfg.groups * cfg.group_size * getattr(task, "horizon", 1)
+    if cfg.minibatches > actions:
+        raise ValueError(f"minibatches = {cfg.minibatches} is not allowed; allowed: 1 to {actions}, the actions per "
+                         f"batch (groups {cfg.groups} x group_size {cfg.group_size} x {task.name} horizon "
+                         f"{getattr(task, 'horizon', 1)})")
 
 
 def initial_policy(task, seed: int, *, cache: str | Path | None = None) -> tuple[VelocityMLP, dict[str, Any]]:
@@ -214,7 +226,8 @@ def _train_step(policy, ref, task, method: FlowMethod, cfg: FlowTrainConfig, opt
     sums: dict[str, float] = {}
     count = 0
     for _ in range(cfg.updates_per_batch):
-        for idx in torch.randperm(n_act, generator=g).chunk(cfg.minibatches):
+        # tensor_split, not chunk: exactly ``minibatches`` non-empty pieces (chunk may return fewer).
+        for idx in torch.randperm(n_act, generator=g).tensor_split(cfg.minibatches):
             sub = _index(traj, idx)
             inp = FlowLossInputs(adv=adv[idx], reduce=method.reduce, std=std[idx], dt=dt[idx],
                                  mask=sub.stochastic)

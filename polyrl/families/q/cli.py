@@ -91,7 +91,7 @@ def cmd_q_search(args: argparse.Namespace) -> int:
     if args.trials < 1:
         raise ConfigError(f"trials = {args.trials} is not allowed; allowed: an integer >= 1")
     try:
-        res = run_search(args.out, seed=args.seed, max_trials=args.trials)
+        res = run_search(args.out, seed=args.seed, max_trials=args.trials, overwrite=args.overwrite)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     table = Table(title=f"searched MDP: seed {res['seed']}, trial {res['trial']}, alpha {res['alpha']:.4g}")
@@ -160,6 +160,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seed of the search (default: 0)")
     p.add_argument("--trials", type=int, default=10_000, help="random MDPs to try at most (default: 10000)")
     p.add_argument("--out", default="runs/q/search", help="output directory (default: runs/q/search)")
+    p.add_argument("--overwrite", action="store_true", help="replace a search.json / spectral_radius.png in --out")
     p.set_defaults(fn=cmd_q_search)
 
     p = sub.add_parser("methods", help="list the target-update presets")

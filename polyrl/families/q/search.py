@@ -59,9 +59,16 @@ def random_mdp(rng: np.random.Generator, *, n_states: int = 3, n_features: int =
     return LinearMDP(phi=phi, P=P, R=R, mu=mu, gamma=gamma)
 
 
+def check_seed(seed: int) -> None:
+    """Refuse a seed numpy's generators cannot take (ValueError naming ``seed``), before any search or write."""
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise ValueError(f"seed = {seed!r} is not allowed; allowed: an integer >= 0")
+
+
 def search_counterexample(seed: int = 0, *, max_trials: int = 10_000, n_states: int = 3, n_features: int = 2,
                           gamma: float = 0.99, alpha_scale: float = 0.9, lam_check: float = 0.999) -> Counterexample:
     """The first random MDP (seeded) meeting the three conditions above; ValueError if none in ``max_trials``."""
+    check_seed(seed)
     rng = np.random.default_rng(seed)
     for trial in range(1, max_trials + 1):
         mdp = random_mdp(rng, n_states=n_states, n_features=n_features, gamma=gamma)
@@ -95,8 +102,25 @@ def iterate_target_map(cx: Counterexample, lam: float, iters: int, theta0: np.nd
     return np.array(out)
 
 
-def run_search(out_dir: str | Path, seed: int = 0, *, max_trials: int = 10_000, lams=LAMBDA_GRID) -> dict:
-    """Search, tabulate rho(L_lambda) over ``lams``, write ``search.json`` and ``spectral_radius.png``."""
+OUTPUTS = ("search.json", "spectral_radius.png")
+
+
+def check_out(out_dir: str | Path, *, overwrite: bool) -> None:
+    """Refuse (ValueError) an ``out_dir`` that already holds a search unless ``overwrite``: another seed's result
+    would otherwise be replaced silently."""
+    held = [name for name in OUTPUTS if (Path(out_dir) / name).exists()]
+    if held and not overwrite:
+        raise ValueError(f"out = '{out_dir}' already holds {', '.join(held)}; pass --overwrite or another --out")
+
+
+def run_search(out_dir: str | Path, seed: int = 0, *, max_trials: int = 10_000, lams=LAMBDA_GRID,
+               overwrite: bool = False) -> dict:
+    """Search, tabulate rho(L_lambda) over ``lams``, write ``search.json`` and ``spectral_radius.png``.
+
+    Bad arguments and an existing result (without ``overwrite``) are refused before anything is written.
+    """
+    check_seed(seed)
+    check_out(out_dir, overwrite=overwrite)
     cx = search_counterexample(seed, max_trials=max_trials)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
