@@ -19,12 +19,26 @@ from typing import Any
 import numpy as np
 
 from polyrl.config import ConfigError
+from polyrl.safety.options import add_out_options, check_common, flag, prepare_out, settings
 
 SPEC_P0 = (0.2, 0.05, 0.01, 0.002)
 SPEC_MEDIANS = {True: (5, 13, 46, 208), False: (10, 38, 161, 742)}  # spec §4(e) table: with / without std norm
 SPEC_SEEDS = 20  # seeds behind each of the spec's medians
 EXTRA_P0 = (0.4, 0.1, 0.02, 0.005)
 KL_COEFS = (0.0, 0.1, 0.3, 1.0)
+# Options of the tiny-LM part only (they change nothing with --seeds 0): flag, type, help; and their defaults.
+LM_OPTIONS = (
+    ("--pretrain-steps", int, "supervised pretraining steps of the tiny LM"),
+    ("--label-noise", float, "fraction of ambiguous pretraining items labelled with a named colour (sets p0)"),
+    ("--lm-steps", int, "GRPO steps on the single flipped example"),
+    ("--lm-group", int, "GRPO group size on the flipped example"),
+    ("--lm-lr", float, "Adam learning rate of the LM GRPO phases"),
+    ("--lm-kl", float, "k3 KL coefficient to the pretrained model (paper 0.001)"),
+    ("--repair-steps", int, "normal GRPO steps on correct data afterwards (0: none)"),
+    ("--eval-every", int, "evaluate the held-out sets every N one-shot steps (repair: every max(N, 5))"),
+)
+LM_DEFAULTS = {"pretrain_steps": 300, "label_noise": 0.1, "lm_steps": 80, "lm_group": 16, "lm_lr": 1e-3,
+               "lm_kl": 0.001, "repair_steps": 100, "eval_every": 2}
 
 
 def add_parser(subparsers, name: str) -> None:
@@ -35,7 +49,7 @@ def add_parser(subparsers, name: str) -> None:
             "Writes report.html and results.json.")
     p = subparsers.add_parser(name, help="one-shot bias: GRPO on one flipped example, onset vs the closed form",
                               description=desc)
-    p.add_argument("--out", default=f"runs/safety-{name}", help="output directory (default: runs/safety-%(prog)s)")
+    add_out_options(p, name)
     p.add_argument("--sim-seeds", type=int, default=200,
                    help="bandit seeds per p0 (spec: 20; more seeds give the range of a 20-seed median)")
     p.add_argument("--group", type=int, default=16, help="GRPO group size G of the bandit (spec: 16)")
@@ -43,32 +57,52 @@ def add_parser(subparsers, name: str) -> None:
     p.add_argument("--options", type=int, default=3, help="answer options K of the bandit (spec: 3)")
     p.add_argument("--max-steps", type=int, default=4000, help="bandit step cap; seeds without onset are censored")
     p.add_argument("--seeds", type=int, default=5, help="LM seeds (each pretrains its own tiny model); 0 skips the LM")
-    p.add_argument("--pretrain-steps", type=int, default=300, help="supervised pretraining steps of the tiny LM")
-    p.add_argument("--label-noise", type=float, default=0.1,
-                   help="fraction of ambiguous pretraining items labelled with a named colour (sets p0)")
-    p.add_argument("--lm-steps", type=int, default=80, help="GRPO steps on the single flipped example")
-    p.add_argument("--lm-group", type=int, default=16, help="GRPO group size on the flipped example")
-    p.add_argument("--lm-lr", type=float, default=1e-3, help="Adam learning rate of the LM GRPO phases")
-    p.add_argument("--lm-kl", type=float, default=0.001, help="k3 KL coefficient to the pretrained model (paper 0.001)")
-    p.add_argument("--repair-steps", type=int, default=100,
-                   help="normal GRPO steps on correct data afterwards (0: none)")
-    p.add_argument("--eval-every", type=int, default=2,
-                   help="evaluate the held-out sets every N one-shot steps (repair: every max(N, 5))")
+    # The LM options default to None so that one given with --seeds 0 (no LM runs) can be told apart and refused;
+    # ``_resolve_lm`` fills in LM_DEFAULTS otherwise.
+    for flag_, kind, text in LM_OPTIONS:
+        dest = flag_[2:].replace("-", "_")
+        p.add_argument(flag_, type=kind, default=None, help=f"{text} (default {LM_DEFAULTS[dest]:g})")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
     p.set_defaults(fn=command)
 
 
+def _fill_lm_defaults(args) -> None:
+    """Give the LM options left out (None) their LM_DEFAULTS value."""
+    for k, v in LM_DEFAULTS.items():
+        if getattr(args, k, None) is None:
+            setattr(args, k, v)
+
+
+def _resolve_lm(args) -> None:
+    """Refuse LM options given with --seeds 0 (the LM part does not run then, so they would be recorded in the
+    results' settings without changing anything); then fill in the defaults of those left out."""
+    given = [flag(k) for k in LM_DEFAULTS if getattr(args, k) is not None]
+    if args.seeds == 0 and given:
+        raise ConfigError(f"{', '.join(given)} given with --seeds = 0: the tiny-LM part does not run; drop them or "
+                          "set --seeds >= 1")
+    _fill_lm_defaults(args)
+
+
+def run_settings(args) -> dict[str, Any]:
+    """The settings results.json records: without the LM options when --seeds is 0 (they did not run)."""
+    return settings(args, drop=() if args.seeds else tuple(LM_DEFAULTS))
+
+
 def _check(args) -> None:
+    """Refuse bad options before anything runs (one line each); resolve the LM options' defaults."""
     def bad(opt, value, allowed):
         raise ConfigError(f"--{opt} = {value!r}; allowed: {allowed}")
 
+    check_common(args)
+    if args.seeds < 0:
+        bad("seeds", args.seeds, "an integer >= 0")
+    _resolve_lm(args)
     for opt, lo in (("sim_seeds", 2), ("group", 2), ("options", 2), ("max_steps", 1), ("pretrain_steps", 1),
-                    ("lm_steps", 1), ("lm_group", 2), ("eval_every", 1), ("threads", 1)):
+                    ("lm_steps", 1), ("lm_group", 2), ("eval_every", 1)):
         if getattr(args, opt) < lo:
             bad(opt.replace("_", "-"), getattr(args, opt), f"an integer >= {lo}")
-    for opt in ("seeds", "repair_steps"):
-        if getattr(args, opt) < 0:
-            bad(opt.replace("_", "-"), getattr(args, opt), "an integer >= 0")
+    if args.repair_steps < 0:
+        bad("repair-steps", args.repair_steps, "an integer >= 0")
     for opt in ("sim_lr", "lm_lr"):
         if not getattr(args, opt) > 0:
             bad(opt.replace("_", "-"), getattr(args, opt), "a number > 0")
@@ -83,6 +117,7 @@ def command(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     _check(args)
+    prepare_out(args)
     console = Console()
     t0 = time.perf_counter()
     paths = run_experiment(args, console=console)
@@ -181,6 +216,7 @@ def run_experiment(args, console=None) -> dict[str, Path]:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+    _fill_lm_defaults(args)  # a library caller's parsed options: the LM ones may still be None
     torch.set_num_threads(args.threads)
     console = console or Console()
     out = Path(args.out)
@@ -195,7 +231,7 @@ def run_experiment(args, console=None) -> dict[str, Path]:
         t_analytic = time.perf_counter() - t0
         t_lm = progress.add_task("tiny LM seeds", total=max(n_lm, 1))
         seeds = [lm_seed(args, s, advance=lambda _s: progress.advance(t_lm)) for s in range(args.seeds)]
-    results = {"settings": {k: v for k, v in vars(args).items() if k != "fn"}, "analytic": analytic,
+    results = {"settings": run_settings(args), "analytic": analytic,
                "lm": summarize_lm(seeds, args) if seeds else None, "lm_seeds": seeds,
                "seconds": {"analytic": t_analytic, "total": time.perf_counter() - t0}}
     from polyrl.safety.bias_probe.report import write

@@ -18,20 +18,11 @@ from pathlib import Path
 import numpy as np
 
 from polyrl.config import ConfigError
+from polyrl.safety.options import add_out_options, check_common, number_list, prepare_out
 
 CLAIM_RATIO = 0.11
 CLAIM = ("Seed blog: GGRO 'beats best-of-16 at 11% of the compute'. Paper (arXiv 2606.09635): 'minimal "
          "computational overhead'; the 11% figure is in no source found (spec §11c).")
-
-
-def _floats(text: str, option: str) -> list[float]:
-    try:
-        values = [float(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise ConfigError(f"{option}={text!r}: expected comma-separated numbers") from None
-    if not values or any(v <= 0 for v in values):
-        raise ConfigError(f"{option}={text!r}: expected one or more positive numbers")
-    return values
 
 
 def add_parser(subparsers, name: str = "ggro") -> None:
@@ -52,15 +43,17 @@ def add_parser(subparsers, name: str = "ggro") -> None:
     p.add_argument("--rm-size", type=float, default=1.0, help="RM cost per token relative to the LM's")
     p.add_argument("--lm-steps", type=int, default=300, help="training steps of the tiny LM per seed")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
-    p.add_argument("--out", default="runs/safety-ggro", help="output directory")
+    add_out_options(p, name)
     p.set_defaults(fn=run_command)
 
 
 def _check(args) -> tuple[list[float], list[int]]:
+    """Refuse bad options before anything runs or is written; return the thresholds H* and the budgets S."""
+    check_common(args)
     for option, value, low in (("--seeds", args.seeds, 2), ("--prompts", args.prompts, 1),
                                ("--samples", args.samples, 16), ("--max-new-tokens", args.max_new_tokens, 2),
                                ("--top-k", args.top_k, 1), ("--min-segment", args.min_segment, 1),
-                               ("--lm-steps", args.lm_steps, 1), ("--threads", args.threads, 1)):
+                               ("--lm-steps", args.lm_steps, 1)):
         if value < low:
             raise ConfigError(f"{option}={value}: must be an integer >= {low}")
     if args.max_new_tokens > 40:
@@ -70,10 +63,10 @@ def _check(args) -> tuple[list[float], list[int]]:
             raise ConfigError(f"{option}={value}: must be > 0")
     if args.rm_size < 0:
         raise ConfigError(f"--rm-size={args.rm_size}: must be >= 0")
-    thresholds = _floats(args.thresholds, "--thresholds")
-    refinements = _floats(args.refinements, "--refinements")
-    if any(s != int(s) or s < 1 for s in refinements):
-        raise ConfigError(f"--refinements={args.refinements!r}: expected integers >= 1")
+    thresholds = number_list(args.thresholds, "--thresholds", "comma-separated finite numbers > 0",
+                             lambda v: v > 0)
+    refinements = number_list(args.refinements, "--refinements", "comma-separated integers >= 1",
+                              lambda v: v == int(v) and v >= 1)
     return thresholds, [int(s) for s in refinements]
 
 
@@ -291,6 +284,7 @@ def _figures(stats: dict, out: Path) -> dict[str, Path]:
 def run_command(args: argparse.Namespace) -> int:
     """Run the experiment and write report.html + results.json under ``--out``."""
     thresholds, refinements = _check(args)
+    out = prepare_out(args)
     import torch
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -324,8 +318,6 @@ def run_command(args: argparse.Namespace) -> int:
                             "LM-only compute / BoN-16", "proxy - BoN-16", "(proxy - true) - BoN-16's",
                             "proxy - BoN at equal compute", "true - BoN at equal compute",
                             "nudged/segments"], ggro_rows)}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     figures = _figures(stats, out)
     wall = time.perf_counter() - started
     notes = [

@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from polyrl.config import ConfigError
+from polyrl.safety.options import add_out_options, check_common, number_list, prepare_out
 
 HELP = "neutral mask: probe directions before/after RL, persistence, sparse autoencoder, steering"
 CLAIM = (
@@ -35,7 +36,7 @@ def add_parser(subparsers, name: str = "probe") -> argparse.ArgumentParser:
     p = subparsers.add_parser(name, help=HELP, description=HELP + ". A tiny character Llama learns a style that "
                               "follows a latent attribute of the prompt, GRPO tunes it to neutral output, and the "
                               "attribute direction, its projection spread, SAE features and steering are compared.")
-    p.add_argument("--out", default="runs/safety-probe", help="output directory (default runs/safety-probe)")
+    add_out_options(p, name)
     p.add_argument("--seeds", type=int, default=d.seeds, help=f"independent seeds (default {d.seeds})")
     p.add_argument("--hidden", type=int, default=d.hidden, help=f"model width (default {d.hidden})")
     p.add_argument("--layers", type=int, default=d.layers, help=f"decoder blocks (default {d.layers})")
@@ -60,12 +61,13 @@ def add_parser(subparsers, name: str = "probe") -> argparse.ArgumentParser:
 
 
 def _experiment(args) -> Any:
+    """The checked options as a ProbeExperiment; a bad one is refused in one line before anything runs."""
     from polyrl.safety.probe.experiment import ProbeExperiment
 
+    check_common(args)
     for opt, value, low in (("--seeds", args.seeds, 1), ("--hidden", args.hidden, 8), ("--layers", args.layers, 1),
                             ("--sup-steps", args.sup_steps, 1), ("--rl-steps", args.rl_steps, 1),
-                            ("--eval-prompts", args.eval_prompts, 16), ("--sae-features", args.sae_features, 1),
-                            ("--threads", args.threads, 1)):
+                            ("--eval-prompts", args.eval_prompts, 16), ("--sae-features", args.sae_features, 1)):
         if value < low:
             raise ConfigError(f"{opt} = {value} must be an integer >= {low}")
     if args.hidden % 4:
@@ -74,11 +76,9 @@ def _experiment(args) -> Any:
         raise ConfigError(f"--steer-layer = {args.steer_layer} must be in [0, --layers={args.layers})")
     if not (args.rl_lr > 0 and args.sae_l1 >= 0):
         raise ConfigError(f"--rl-lr = {args.rl_lr} must be > 0 and --sae-l1 = {args.sae_l1} >= 0")
-    try:
-        alphas = tuple(float(a) for a in args.alphas.split(","))
-    except ValueError:
-        raise ConfigError(f"--alphas = {args.alphas!r} must be comma-separated numbers >= 0") from None
-    if min(alphas) < 0 or args.headline_alpha not in alphas:
+    alphas = tuple(number_list(args.alphas, "--alphas", "comma-separated finite numbers >= 0",
+                               lambda v: v >= 0))
+    if args.headline_alpha not in alphas:
         raise ConfigError(f"--alphas = {args.alphas!r} must be numbers >= 0 that include --headline-alpha = "
                           f"{args.headline_alpha:g}")
     return ProbeExperiment(seeds=args.seeds, hidden=args.hidden, layers=args.layers, steer_layer=args.steer_layer,
@@ -96,9 +96,8 @@ def run_command(args) -> int:
     from polyrl.safety.probe.experiment import run_seed
 
     exp = _experiment(args)
+    out = prepare_out(args)
     torch.set_num_threads(args.threads)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     console = Console()
     work_root = out / "models" if args.keep_models else Path(tempfile.mkdtemp(prefix="polyrl-probe-"))
     ticks_per_seed = 14

@@ -25,6 +25,7 @@ import numpy as np
 import polyrl.safety.redteam.game as game
 from polyrl.config import ConfigError
 from polyrl.lab.stats import bootstrap_ci
+from polyrl.safety.options import add_out_options, check_common, number_list, prepare_out, settings
 from polyrl.safety.redteam.trainer import PHASES, AdversarialCoTrainer, CoTrainConfig, total_updates
 from polyrl.safety.report import table_html, write_report
 from polyrl.tasks.rewards import parse_reward_specs
@@ -40,17 +41,9 @@ def _unit(spec: str) -> str:
     return spec + "_unit" if spec in (J + "prompt_quality", J + "helpfulness") else spec
 
 
-def _floats(text: str, option: str, n: int) -> list[float]:
-    try:
-        vals = [float(x) for x in text.split(",")]
-    except ValueError:
-        raise ConfigError(f"{option} = {text!r}: must be comma-separated numbers") from None
-    if len(vals) != n or any(v <= 0 for v in vals):
-        raise ConfigError(f"{option} = {text!r}: give {n} positive weights, one per channel")
-    return vals
-
-
 def _check(args: argparse.Namespace) -> None:
+    """Refuse bad options before anything runs (one line each); the shared rules first (finite, threads)."""
+    check_common(args)
     for opt in ("seeds", "group_size", "single_turn_steps", "multi_turn_steps", "co_train_steps", "steps_per_role"):
         v = getattr(args, opt)
         low = 2 if opt == "group_size" else (0 if opt.endswith("_steps") and opt != "co_train_steps" else 1)
@@ -62,6 +55,21 @@ def _check(args: argparse.Namespace) -> None:
         raise ConfigError(f"--ci = {args.ci}: must be in (0, 1)")
     if not 0.0 < args.final_frac <= 1.0:
         raise ConfigError(f"--final-frac = {args.final_frac}: must be in (0, 1]")
+
+
+def _weights(args: argparse.Namespace) -> tuple[list[str], list[str], list[float], list[float]]:
+    """Channels and weights of both roles; weights must be finite and > 0, one per channel (nan weights used to
+    run and give results unlike any valid weights). Weights are parsed here, not by ``parse_reward_specs``, so the
+    message names this tool's option and what it allows; empty weights mean 1 per channel."""
+    out = []
+    for role in ("attacker", "defender"):
+        text = getattr(args, f"{role}_weights") or ""
+        specs, _ = parse_reward_specs(getattr(args, f"{role}_channels"), None)
+        weights = number_list(text, f"--{role}-weights", f"{len(specs)} comma-separated finite numbers > 0, one "
+                              "per channel", lambda v: v > 0, count=len(specs)) if text.strip() else [1.0] * len(specs)
+        out.append((specs, weights))
+    (att_specs, att_w), (def_specs, def_w) = out
+    return att_specs, def_specs, att_w, def_w
 
 
 def run_one(variant: str, seed: int, args: argparse.Namespace, att_specs: list[str], def_specs: list[str],
@@ -142,20 +150,10 @@ def command(args: argparse.Namespace) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     _check(args)
-    torch.set_num_threads(args.threads)
-    specs = {}
-    for role in ("attacker", "defender"):
-        try:
-            specs[role] = parse_reward_specs(getattr(args, f"{role}_channels"), getattr(args, f"{role}_weights"))
-        except ValueError as e:
-            raise ConfigError(f"--{role}-weights: {e}") from None
-    (att_specs, att_given), (def_specs, def_given) = specs["attacker"], specs["defender"]
-    att_w = _floats(args.attacker_weights, "--attacker-weights", len(att_specs)) if att_given else None
-    def_w = _floats(args.defender_weights, "--defender-weights", len(def_specs)) if def_given else None
-    att_w, def_w = att_w or [1.0] * len(att_specs), def_w or [1.0] * len(def_specs)
+    att_specs, def_specs, att_w, def_w = _weights(args)
     variants = ["summed", "decoupled"] + (["summed-unit"] if args.control else [])
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = prepare_out(args)
+    torch.set_num_threads(args.threads)
     t0 = time.time()
     histories: dict[str, list[list[dict[str, Any]]]] = {v: [] for v in variants}
     cfg = CoTrainConfig(steps_per_role=args.steps_per_role,
@@ -190,7 +188,7 @@ def command(args: argparse.Namespace) -> int:
                  for v in variants for i, r in enumerate(per_seed[v])]
     results = {"claim": CLAIM, "verdict": verdict, "wall_seconds": wall, "variants": variants, "seeds": args.seeds,
                "ci_level": args.ci, "stats": stats, "decoupled_minus_summed": diffs, "per_seed": per_seed,
-               "settings": {k: v for k, v in vars(args).items() if k != "fn"},
+               "settings": settings(args),
                "curves": {v: [[{k: r[k] for k in ("update", "phase", "asr_multi", "asr_single", "helpfulness")}
                                for r in h] for h in histories[v]] for v in variants}}
     paths = write_report(
@@ -255,7 +253,7 @@ def add_parser(subparsers, name: str) -> None:
     """`polyrl safety redteam`: the AdvGRPO experiment."""
     p = subparsers.add_parser(name, help="AdvGRPO: attacker/defender co-training, summed vs decoupled (GDPO)",
                               description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default=f"runs/safety-{name}", help="output folder (report.html, results.json, curves.png)")
+    add_out_options(p, name)
     p.add_argument("--seeds", type=int, default=5, help="seeds per variant (default 5)")
     p.add_argument("--attacker-channels", default=f"{J}attack_success,{J}prompt_quality",
                    help="attacker reward functions by import path, comma-separated (module:function)")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import math
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -11,6 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from polyrl.config import ConfigError
+from polyrl.safety.options import add_out_options, check_common, number_list, prepare_out
 from polyrl.safety.unlearn.experiment import CONDITIONS, ExperimentConfig, run_seed, summarise
 
 HELP = "Safe-RULE: offline safe RL on poisoned transitions, unlearning vs clean retraining"
@@ -55,7 +55,7 @@ def add_parser(subparsers, name: str = "unlearn") -> None:
                         f"default {d.poison_ratio})")
     p.add_argument("--level", type=float, default=d.level, help=f"bootstrap interval level (default {d.level})")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
-    p.add_argument("--out", type=str, default=f"runs/safety-{name}", help="output folder (default %(default)s)")
+    add_out_options(p, name)
     p.set_defaults(fn=command)
 
 
@@ -65,24 +65,18 @@ def config_from_args(args: argparse.Namespace) -> ExperimentConfig:
         if not ok:
             raise ConfigError(f"--{opt}={value!r}: must be {allowed}")
 
+    check_common(args)
     need(args.seeds >= 1, "seeds", args.seeds, "an integer >= 1")
     need(args.episodes >= 10, "episodes", args.episodes, "an integer >= 10")
     need(args.steps >= 1, "steps", args.steps, "an integer >= 1")
     need(args.unlearn_steps >= 1, "unlearn-steps", args.unlearn_steps, "an integer >= 1")
-    need(math.isfinite(args.lam_forget) and args.lam_forget > 0, "lam-forget", args.lam_forget, "a number > 0")
-    need(math.isfinite(args.margin), "margin", args.margin, "a finite number")
-    need(math.isfinite(args.cost_limit) and args.cost_limit > 0, "cost-limit", args.cost_limit, "a number > 0")
+    need(args.lam_forget > 0, "lam-forget", args.lam_forget, "a number > 0")
+    need(args.cost_limit > 0, "cost-limit", args.cost_limit, "a number > 0")
     need(0.0 <= args.relabel_frac < 1.0, "relabel-frac", args.relabel_frac, "in [0, 1)")
-    need(math.isfinite(args.poison_ratio) and args.poison_ratio >= 0, "poison-ratio", args.poison_ratio,
-         "a number >= 0")
+    need(args.poison_ratio >= 0, "poison-ratio", args.poison_ratio, "a number >= 0")
     need(0.0 < args.level < 1.0, "level", args.level, "in (0, 1)")
-    need(args.threads >= 1, "threads", args.threads, "an integer >= 1")
-    try:
-        sweep = tuple(float(v) for v in args.sweep.split(",") if v.strip())
-    except ValueError:
-        sweep = (-1.0,)
-    need(all(math.isfinite(v) and v > 0 for v in sweep), "sweep", args.sweep,
-         "comma-separated numbers > 0 (or empty)")
+    sweep = tuple(number_list(args.sweep, "--sweep", "comma-separated finite numbers > 0 (or empty)",
+                              lambda v: v > 0, allow_empty=True))
     sweep = tuple(v for v in sweep if v != args.lam_forget)
     return ExperimentConfig(seeds=args.seeds, episodes=args.episodes, steps=args.steps,
                             unlearn_steps=args.unlearn_steps, lam_forget=args.lam_forget, sweep=sweep,
@@ -257,9 +251,8 @@ def command(args: argparse.Namespace) -> int:
     from polyrl.safety.report import table_html, write_report
 
     cfg = config_from_args(args)
+    out = prepare_out(args)
     torch.set_num_threads(args.threads)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     console = Console()
     t0 = time.perf_counter()
     per_seed = []

@@ -1,0 +1,95 @@
+"""The option rules every `polyrl safety` tool shares, in one place so no tool can forget one.
+
+Each tool still checks its own ranges; what lives here is what used to be written five times and was missing
+in some: float options must be finite (a check written ``not x > 0`` lets inf through and ``x < 0`` lets nan
+through, which then failed deep in an ODE, in matplotlib or in the JSON writer after figures were written),
+comma-separated number lists must be finite too, ``--threads`` must be >= 1, and an ``--out`` that already holds
+a finished run is refused unless ``--overwrite`` is given (a rerun used to replace results.json silently).
+Every refusal is a ``ConfigError``: one line naming the option, the value and what is allowed (exit 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import NoReturn
+
+from polyrl.config import ConfigError
+
+RESULTS = "results.json"
+REPORT = "report.html"
+
+
+def refuse(option: str, value: object, allowed: str) -> NoReturn:
+    """Raise the one-line ConfigError every check here uses: option, value, what is allowed."""
+    raise ConfigError(f"{option} = {value!r}: must be {allowed}")
+
+
+def flag(dest: str) -> str:
+    """The command-line spelling of an argparse ``dest`` (the safety tools' options are all long options)."""
+    return "--" + dest.replace("_", "-")
+
+
+def add_out_options(p: argparse.ArgumentParser, name: str) -> None:
+    """``--out`` and ``--overwrite``; the default is spelled out (``%(prog)s`` would print the whole command)."""
+    default = f"runs/safety-{name}"
+    p.add_argument("--out", default=default,
+                   help=f"output directory: report.html, results.json and figures (default {default})")
+    p.add_argument("--overwrite", action="store_true",
+                   help=f"replace a finished run in --out (one holding {RESULTS}); without it that --out is refused")
+
+
+def check_common(args: argparse.Namespace) -> None:
+    """Refuse nan/inf in every float option and ``--threads`` < 1 (torch raises on 0 after work has begun)."""
+    for dest, value in vars(args).items():
+        if isinstance(value, float) and not math.isfinite(value):
+            refuse(flag(dest), value, "a finite number")
+    threads = getattr(args, "threads", 1)
+    if threads < 1:
+        refuse("--threads", threads, "an integer >= 1")
+
+
+def number_list(text: str, option: str, allowed: str, ok: Callable[[float], bool] = lambda v: True, *,
+                count: int | None = None, allow_empty: bool = False) -> list[float]:
+    """Comma-separated numbers, each finite and passing ``ok``; ``count``: exactly that many; ``allowed``: the
+    words of the message (e.g. "comma-separated numbers > 0"). Empty pieces are skipped ("1,,2" is [1, 2])."""
+    try:
+        values = [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        refuse(option, text, allowed)
+    if (not values and not allow_empty) or (count is not None and len(values) != count):
+        refuse(option, text, allowed)
+    if not all(math.isfinite(v) and ok(v) for v in values):
+        refuse(option, text, allowed)
+    return values
+
+
+def prepare_out(args: argparse.Namespace) -> Path:
+    """Create ``--out``, refusing one that holds a finished run (``results.json``) unless ``--overwrite``.
+
+    Called after the options are checked and before any work, so a refused rerun changes nothing on disk. With
+    ``--overwrite`` the old results.json and report.html are removed first: a rerun that stops early then leaves
+    a folder that visibly holds no finished run, instead of the old results beside the new run's figures.
+    """
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        refuse("--out", str(out), "a directory (this path is a file)")
+    if (out / RESULTS).exists():
+        if not getattr(args, "overwrite", False):
+            raise ConfigError(f"--out = '{out}' already holds {RESULTS} from an earlier run; pass --overwrite to "
+                              "replace it or choose another --out")
+        for stale in (RESULTS, REPORT):
+            (out / stale).unlink(missing_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        refuse("--out", str(out), f"a directory that can be created ({e.strerror})")
+    return out
+
+
+def settings(args: argparse.Namespace, drop: tuple[str, ...] = ()) -> dict:
+    """The run's settings for results.json: the options, without the command function and ``--overwrite`` (how
+    this command was run is not a setting of the run) and without ``drop``."""
+    return {k: v for k, v in vars(args).items() if k not in ("fn", "overwrite", *drop)}

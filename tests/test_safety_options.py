@@ -1,0 +1,193 @@
+"""The option rules all `polyrl safety` tools share (``polyrl.safety.options``): finite numbers, --threads,
+--out / --overwrite, the --out help text, and bias-probe's LM options with --seeds 0.
+
+Each check is called directly (no experiment runs), except the --out refusals, which go through the command
+with tiny settings so that a tool that does not refuse finishes quickly and the test fails instead of hanging.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from polyrl.config import ConfigError
+from polyrl.safety import TOOLS
+from polyrl.safety.options import number_list, prepare_out
+
+# Tiny settings per tool: a run that is not refused ends in seconds.
+TINY = {
+    "bias-probe": ["--seeds", "0", "--sim-seeds", "2", "--max-steps", "20"],
+    "probe": ["--seeds", "1", "--hidden", "16", "--layers", "2", "--sup-steps", "1", "--rl-steps", "1",
+              "--eval-prompts", "16", "--sae-features", "4", "--alphas", "0,4"],
+    "redteam": ["--seeds", "1", "--single-turn-steps", "0", "--multi-turn-steps", "0", "--co-train-steps", "1",
+                "--no-control"],
+    "ggro": ["--seeds", "2", "--prompts", "1", "--lm-steps", "1", "--max-new-tokens", "2", "--thresholds", "1",
+             "--refinements", "1"],
+    "unlearn": ["--seeds", "1", "--steps", "2", "--unlearn-steps", "1", "--sweep", "", "--episodes", "10"],
+}
+
+
+@pytest.fixture(scope="module")
+def tools() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    from polyrl.safety.cli import add_parser
+
+    ap = argparse.ArgumentParser(prog="polyrl")
+    sub = ap.add_subparsers(dest="command")
+    add_parser(sub)
+    safety = sub.choices["safety"]
+    tool_parsers = next(a for a in safety._actions if isinstance(a, argparse._SubParsersAction)).choices
+    return ap, tool_parsers
+
+
+def _parse(tools, tool: str, argv: list[str]) -> argparse.Namespace:
+    return tools[0].parse_args(["safety", tool, *argv])
+
+
+def _validate(tool: str, args: argparse.Namespace) -> None:
+    """The tool's own option checks (what its command runs before any work)."""
+    if tool == "bias-probe":
+        from polyrl.safety.bias_probe.command import _check
+        _check(args)
+    elif tool == "ggro":
+        from polyrl.safety.ggro.experiment import _check
+        _check(args)
+    elif tool == "probe":
+        from polyrl.safety.probe.command import _experiment
+        _experiment(args)
+    elif tool == "redteam":
+        from polyrl.safety.redteam.experiment import _check, _weights
+        _check(args)
+        _weights(args)
+    else:
+        from polyrl.safety.unlearn.command import config_from_args
+        config_from_args(args)
+
+
+def _float_options(tools, tool: str) -> list[str]:
+    return [a.option_strings[0] for a in tools[1][tool]._actions if a.type is float]
+
+
+# ---------------------------------------------------------------------------------------------- finding 1
+@pytest.mark.parametrize("tool", list(TOOLS))
+def test_threads_below_one_is_refused_by_every_tool(tools, tool):
+    with pytest.raises(ConfigError, match=r"^--threads = 0: must be an integer >= 1$"):
+        _validate(tool, _parse(tools, tool, ["--threads", "0"]))
+
+
+# ---------------------------------------------------------------------------------------------- finding 2
+@pytest.mark.parametrize("tool", list(TOOLS))
+@pytest.mark.parametrize("bad", ["nan", "inf"])
+def test_every_float_option_of_every_tool_refuses_non_finite_values(tools, tool, bad):
+    options = _float_options(tools, tool)
+    assert options, f"{tool} has float options"
+    for opt in options:
+        with pytest.raises(ConfigError, match=f"^{opt} = {bad}: must be a finite number$"):
+            _validate(tool, _parse(tools, tool, [opt, bad]))
+
+
+@pytest.mark.parametrize("tool, argv, match", [
+    ("ggro", ["--thresholds", "nan"], "--thresholds = 'nan'"),
+    ("ggro", ["--thresholds", "1,inf"], "--thresholds = '1,inf'"),
+    ("ggro", ["--refinements", "2,inf"], "--refinements = '2,inf'"),
+    ("probe", ["--alphas", "1,inf", "--headline-alpha", "1"], "--alphas = '1,inf'"),
+    ("probe", ["--alphas", "nan,1", "--headline-alpha", "1"], "--alphas = 'nan,1'"),
+    ("redteam", ["--attacker-weights", "nan,1"], "--attacker-weights = 'nan,1'"),
+    ("redteam", ["--attacker-weights", "inf,1"], "--attacker-weights = 'inf,1'"),
+    ("redteam", ["--defender-weights", "1,nan"], "--defender-weights = '1,nan'"),
+    ("unlearn", ["--sweep", "1,inf"], "--sweep = '1,inf'"),
+])
+def test_number_lists_refuse_non_finite_values(tools, tool, argv, match):
+    with pytest.raises(ConfigError, match=f"^{match}: must be "):  # one line: option, value, allowed
+        _validate(tool, _parse(tools, tool, argv))
+
+
+def test_valid_options_still_pass(tools):
+    for tool in TOOLS:
+        _validate(tool, _parse(tools, tool, []))
+    from polyrl.safety.redteam.experiment import _weights
+
+    assert _weights(_parse(tools, "redteam", ["--attacker-weights", "4, 1"]))[2] == [4.0, 1.0]
+
+
+def test_number_list_parses_counts_and_refuses_in_one_line():
+    assert number_list("1, 2,,3", "--x", "numbers") == [1.0, 2.0, 3.0]
+    assert number_list("", "--x", "numbers", allow_empty=True) == []
+    for text, kw in (("", {}), ("1,x", {}), ("1,2", {"count": 3}), ("-1", {"ok": lambda v: v > 0}),
+                     ("1e999", {}), ("-inf", {})):
+        with pytest.raises(ConfigError, match=r"^--x = '.*': must be numbers$"):
+            number_list(text, "--x", "numbers", **kw)
+
+
+# ---------------------------------------------------------------------------------------------- finding 3
+@pytest.mark.parametrize("opt, value", [("--lm-steps", "80"), ("--lm-group", "4"), ("--lm-lr", "0.01"),
+                                        ("--lm-kl", "0"), ("--pretrain-steps", "3"), ("--label-noise", "0.2"),
+                                        ("--repair-steps", "0"), ("--eval-every", "2")])
+def test_bias_probe_refuses_lm_options_given_with_seeds_zero(tools, opt, value):
+    # a value equal to the default is still refused: what counts is that it was given
+    with pytest.raises(ConfigError, match=f"^{opt} given with --seeds = 0"):
+        _validate("bias-probe", _parse(tools, "bias-probe", ["--seeds", "0", opt, value]))
+
+
+def test_bias_probe_lm_options_resolve_to_their_defaults(tools):
+    from polyrl.safety.bias_probe.command import LM_DEFAULTS
+
+    args = _parse(tools, "bias-probe", ["--seeds", "0"])
+    _validate("bias-probe", args)  # nothing given: accepted
+    args = _parse(tools, "bias-probe", ["--seeds", "2", "--lm-steps", "7"])
+    _validate("bias-probe", args)
+    assert args.lm_steps == 7 and args.lm_lr == LM_DEFAULTS["lm_lr"] and args.repair_steps == 100
+    with pytest.raises(ConfigError, match="^--lm-steps = 0"):
+        _validate("bias-probe", _parse(tools, "bias-probe", ["--lm-steps", "0"]))
+
+
+def test_bias_probe_seeds_zero_records_no_lm_settings(tools):
+    from polyrl.safety.bias_probe.command import run_settings
+
+    args = _parse(tools, "bias-probe", [*TINY["bias-probe"], "--overwrite"])
+    _validate("bias-probe", args)
+    recorded = run_settings(args)
+    assert recorded["seeds"] == 0 and recorded["sim_seeds"] == 2
+    assert not {"lm_steps", "lm_lr", "pretrain_steps", "label_noise", "overwrite", "fn"} & set(recorded)
+    args = _parse(tools, "bias-probe", ["--seeds", "1"])
+    _validate("bias-probe", args)
+    assert run_settings(args)["lm_steps"] == 80
+
+
+# ---------------------------------------------------------------------------------------------- finding 4
+@pytest.mark.parametrize("tool", list(TOOLS))
+def test_out_with_a_finished_run_is_refused_without_overwrite(tools, tool, tmp_path):
+    (tmp_path / "results.json").write_text('{"old": 1}')
+    args = _parse(tools, tool, [*TINY[tool], "--out", str(tmp_path)])
+    with pytest.raises(ConfigError, match=r"^--out = '.*' already holds results.json.*--overwrite"):
+        args.fn(args)
+    assert [p.name for p in tmp_path.iterdir()] == ["results.json"]
+    assert (tmp_path / "results.json").read_text() == '{"old": 1}'
+
+
+@pytest.mark.parametrize("tool", list(TOOLS))
+def test_every_tool_has_overwrite(tools, tool):
+    assert _parse(tools, tool, ["--overwrite"]).overwrite is True
+    assert _parse(tools, tool, []).overwrite is False
+
+
+def test_prepare_out_with_overwrite_clears_the_old_results_only(tmp_path):
+    for name in ("results.json", "report.html", "curves.png"):
+        (tmp_path / name).write_text("old")
+    args = argparse.Namespace(out=str(tmp_path / "."), overwrite=True)
+    assert prepare_out(args).is_dir()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["curves.png"]
+    new = argparse.Namespace(out=str(tmp_path / "a" / "b"), overwrite=False)
+    assert prepare_out(new).is_dir()
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ConfigError, match="^--out = .*file.*: must be a directory"):
+        prepare_out(argparse.Namespace(out=str(tmp_path / "file"), overwrite=True))
+
+
+# ---------------------------------------------------------------------------------------------- finding 5
+@pytest.mark.parametrize("tool", list(TOOLS))
+def test_out_help_names_the_real_default(tools, tool):
+    text = " ".join(tools[1][tool].format_help().split())
+    assert f"(default runs/safety-{tool})" in text
+    assert f"runs/safety-{tools[1][tool].prog}" not in text and "%(prog)" not in text
+    assert tools[0].parse_args(["safety", tool]).out == f"runs/safety-{tool}"
