@@ -222,6 +222,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         done = train(cfg, method, model_dir=cfg.model, task=task, run_dir=run_dir, console=console)
         leave()
         return 0 if done else 1
+    created = not Path(run_dir).exists()
     Path(run_dir).mkdir(parents=True, exist_ok=True)
     if cfg.resume:
         record_resume(run_dir, plan.resume_step, cfg.resume_from, plan.changes)
@@ -232,7 +233,12 @@ def cmd_train(args: argparse.Namespace) -> int:
         write_record(run_dir, {"config": to_dict(cfg), "method": method_dict(method), "overrides": plan.overrides})
         console.print_json(json.dumps(to_dict(cfg)))
     console.print(f"method: {method.name} = " + "; ".join(f"{k} {v}" for k, v in method.parts().items() if v))
-    summary = train(cfg, method, model_dir=cfg.model, task=task, run_dir=run_dir, console=console)
+    try:
+        summary = train(cfg, method, model_dir=cfg.model, task=task, run_dir=run_dir, console=console)
+    except Exception:
+        if not cfg.resume:
+            _forget_unstarted(Path(run_dir), created)
+        raise
     leave()  # the ranks of --nproc / torchrun leave their process group together (no-op in one process)
     table = Table(title=f"{method.name} on {task.name}")
     for col in ("held-out accuracy before", "after", "steps", "s/step", "rollouts/s", "wall s"):
@@ -243,6 +249,15 @@ def cmd_train(args: argparse.Namespace) -> int:
     console.print(table)
     console.print(f"run files: {run_dir}/ (summary.json, metrics.jsonl, curves.png, tb/, checkpoints/)")
     return 0
+
+
+def _forget_unstarted(run_dir: Path, created: bool) -> None:
+    """A run refused while its parts were built (LoRA targets, a model's vocabulary) wrote only its config.json: remove
+    it (and the directory, if this command made it), so that the corrected command is not refused as a rerun."""
+    if [p.name for p in run_dir.iterdir()] == ["config.json"]:
+        (run_dir / "config.json").unlink()
+        if created:
+            run_dir.rmdir()
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -407,14 +422,18 @@ def build_parser(*, family: str | None = None) -> OneLineParser:
     p.set_defaults(fn=cmd_compare, extra=[])
 
     p = sub.add_parser("evidence", help="test the seed documents' claims and write docs/evidence.md")
-    p.add_argument("--claims", help="comma-separated claim ids (default: all; see --list)")
-    p.add_argument("--budget", choices=("quick", "full"), default="quick", help="quick smoke test or the full report")
-    p.add_argument("--workers", type=int, default=2, help="training runs in parallel")
+    p.add_argument("--claims", help="comma-separated claim ids to run, or to print with --list (default: all); "
+                   "the report always covers every claim in OUT/results.json")
+    p.add_argument("--budget", choices=("quick", "full"), default=None,
+                   help="quick smoke test or the full report (default: quick)")
+    p.add_argument("--workers", type=int, default=None, help="training runs in parallel, >= 1 (default: 2)")
     p.add_argument("--out", help="output directory (default runs/evidence/<budget>)")
-    p.add_argument("--report-only", action="store_true", help="regenerate the reports from OUT/results.json alone")
+    p.add_argument("--report-only", action="store_true",
+                   help="regenerate the reports from OUT/results.json alone (no --claims, no --workers)")
     p.add_argument("--write-docs", action=argparse.BooleanOptionalAction, default=None,
                    help="write docs/evidence.md, docs/evidence/results.json and plots (default: with --budget full)")
-    p.add_argument("--list", action="store_true", help="print the claims and their budgets, run nothing")
+    p.add_argument("--list", action="store_true", help="print the claims (filtered by --claims) and their budgets, "
+                   "run nothing (takes no other option)")
     p.set_defaults(fn=lambda a: __import__("polyrl.lab.evidence", fromlist=["cli_main"]).cli_main(a, console))
 
     p = sub.add_parser("warmstart", help="build and supervised-train the tiny model for a task (cached)")
