@@ -2,7 +2,9 @@
 
 ``add_parser(subparsers)`` is the family seam's entry; ``check_train_flags`` serves ``polyrl compare --family
 duplex``. Bad values raise ``PartError`` or ``ConfigError`` (one line naming the field, the value and what is
-allowed; exit 2).
+allowed; exit 2). A setting that would change nothing is refused too: an RL-only one (``RL_ONLY``) with the imitation
+method, ``--seed`` with ``report`` (it runs seeds 0..N-1). ``--resume`` continues with the run's saved settings
+(method and advantage included); only ``--steps`` may change, and not below the checkpoint's step.
 """
 
 from __future__ import annotations
@@ -21,37 +23,76 @@ from polyrl.families.duplex import HELP as DUPLEX_HELP
 console = Console() if sys.stdout.isatty() else Console(width=200)
 
 
+def _given(args: argparse.Namespace) -> dict:
+    """The settings the user gave (TOML and flags), without the defaults: what a refusal may name."""
+    from polyrl.families.duplex.train import DuplexTrainConfig
+
+    return flag_values(args, DuplexTrainConfig)
+
+
 def _train_config(args: argparse.Namespace):
     """The run's settings: a TOML file beneath the flags, typed and range-checked (ConfigError in one line)."""
     from polyrl.families.duplex.train import DuplexTrainConfig, validate_config
 
-    return family_config(flag_values(args, DuplexTrainConfig), DuplexTrainConfig, validate_config)
+    return family_config(_given(args), DuplexTrainConfig, validate_config)
+
+
+def _method(args: argparse.Namespace, default: str = "grpo"):
+    """The preset (``default`` when --method is not given) with its overrides; an RL-only setting given with an
+    imitation method is refused (one line)."""
+    from polyrl.families.duplex.methods import get_duplex_method
+    from polyrl.families.duplex.train import check_method_settings
+
+    method = get_duplex_method(args.method or default, advantage=args.advantage)
+    try:
+        check_method_settings(method, _given(args))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    return method
+
+
+def _parts(method) -> dict:
+    """What defines the method beyond its name (an --advantage override keeps the preset's name)."""
+    return {"kind": method.kind, "advantage": str(method.advantage)}
+
+
+def resume_settings(args: argparse.Namespace, run_dir: str):
+    """(cfg, method) of the run in ``run_dir``: its saved settings beneath the given flags. A run continued with
+    another method, advantage or setting would mix two runs under one record (config.json saying one thing,
+    summary.json another), so only steps may change: any other differing value is refused in one line naming it."""
+    from polyrl.families.duplex.train import DuplexTrainConfig, validate_config
+    from polyrl.runs import saved_record
+
+    saved = saved_record(run_dir)
+    if saved is None:
+        raise ConfigError(f"run_dir = '{run_dir}' holds no run to resume")
+    cfg = family_config({**saved["config"], **_given(args)}, DuplexTrainConfig, validate_config)
+    method = _method(args, default=saved.get("method", "grpo"))
+    old = {**saved["config"], "method": saved.get("method"), **saved.get("parts", {})}
+    new = {**asdict(cfg), "method": method.name, **_parts(method)}
+    changed = [k for k in new if k != "steps" and k in old and old[k] != new[k]]
+    if changed:
+        k = changed[0]
+        hint = " (pass the --advantage it started with)" if k == "advantage" and args.advantage is None else ""
+        raise ConfigError(f"{k} = {new[k]!r} differs from the run's own {k} = {old[k]!r} in '{run_dir}'; a resume "
+                          f"keeps the run's settings (only steps may change){hint}")
+    return cfg, method
 
 
 def cmd_duplex_train(args: argparse.Namespace) -> int:
-    from polyrl.families.duplex.methods import get_duplex_method
     from polyrl.families.duplex.train import train_duplex
-    from polyrl.runs import saved_record, start_run_dir, write_record
+    from polyrl.runs import start_run_dir, write_record
 
     cfg = _train_config(args)
-    method = get_duplex_method(args.method, advantage=args.advantage)
+    method = _method(args)
     run_dir = args.run_dir or f"runs/duplex/{method.name}-{cfg.task}-s{cfg.seed}"
     if args.resume:
         if args.overwrite:
             raise ConfigError("resume and overwrite are exclusive; pass one of them")
-        saved = saved_record(run_dir)
-        if saved is None:
-            raise ConfigError(f"run_dir = '{run_dir}' holds no run to resume")
-        old = {k: v for k, v in saved["config"].items() if k != "steps"}
-        new = {k: v for k, v in asdict(cfg).items() if k != "steps"}
-        changed = [k for k in new if old.get(k) != new[k]]
-        if changed or saved.get("method") != method.name:
-            what = changed[0] if changed else "method"
-            raise ConfigError(f"{what} differs from the run being resumed in '{run_dir}'; only steps may change")
+        cfg, method = resume_settings(args, run_dir)
     else:
         start_run_dir(run_dir, overwrite=args.overwrite)
-        write_record(run_dir, {"config": asdict(cfg), "method": method.name,
-                               "parts": {"kind": method.kind, "advantage": str(method.advantage)}})
+        write_record(run_dir, {"config": asdict(cfg), "method": method.name, "parts": _parts(method)})
     console.print(f"duplex method: {method.name} ({method.kind}, advantage {method.advantage})")
     s = train_duplex(cfg, method, run_dir=run_dir, resume=args.resume, console=console)
     table = Table(title=f"{method.name} on {cfg.task}: per-axis metrics (fixed evaluation set)")
@@ -72,8 +113,12 @@ def cmd_duplex_report(args: argparse.Namespace) -> int:
         raise ConfigError(f"seeds = {args.seeds} is not allowed; allowed: an integer >= 1")
     if not 0 < args.ci < 1:
         raise ConfigError(f"ci = {args.ci} is not allowed; allowed: in (0, 1)")
+    if "seed" in _given(args):
+        raise ConfigError(f"seed = {_given(args)['seed']!r} is not allowed in a report: it trains seeds 0..N-1; "
+                          "set their number with --seeds")
     cfg = _train_config(args)
-    res = write_duplex_report(cfg, seeds=args.seeds, out=args.out, level=args.ci, progress=console.print)
+    res = write_duplex_report(cfg, seeds=args.seeds, out=args.out, level=args.ci, progress=console.print,
+                              overwrite=args.overwrite)
     table = Table(title="GRPO vs imitation baseline (paired, over seeds)")
     for col in ("metric", "better", "baseline", "GRPO", "difference [interval]", "improved"):
         table.add_column(col, justify="right")
@@ -107,14 +152,15 @@ def add_train_args(p: argparse.ArgumentParser, *, run: bool = True) -> None:
     from polyrl.families.duplex.train import DuplexTrainConfig
 
     if run:
-        p.add_argument("--method", default="grpo", help=f"duplex preset: {', '.join(sorted(DUPLEX_METHODS))} "
-                       "(default: grpo)")
+        p.add_argument("--method", help=f"duplex preset: {', '.join(sorted(DUPLEX_METHODS))} "
+                       "(default: grpo; with --resume: the run's own)")
     p.add_argument("--config", metavar="FILE.toml", help="TOML file of the settings below; flags override it")
     if run:
         p.add_argument("--run-dir", help="output directory (default: runs/duplex/METHOD-TASK-sSEED)")
         p.add_argument("--overwrite", action="store_true", help="replace an existing run in --run-dir")
         p.add_argument("--resume", action="store_true",
-                       help="continue the run in --run-dir from its newest checkpoint (only --steps may change)")
+                       help="continue the run in --run-dir from its newest checkpoint with its saved settings "
+                       "(only --steps may change, not below the checkpoint's step)")
     add_config_args(p, DuplexTrainConfig)
     if run:
         g = p.add_argument_group("part overrides")
@@ -124,10 +170,8 @@ def add_train_args(p: argparse.ArgumentParser, *, run: bool = True) -> None:
 def check_train_flags(argv: list[str]) -> None:
     """Resolve `polyrl duplex train` flags without running: ConfigError/PartError in one line (`polyrl compare`)."""
     args = parse_train_flags(argv, "polyrl duplex train", add_train_args)
-    from polyrl.families.duplex.methods import get_duplex_method
-
     _train_config(args)
-    get_duplex_method(args.method, advantage=args.advantage)
+    _method(args)
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -139,13 +183,18 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     add_train_args(p)
     p.set_defaults(fn=cmd_duplex_train)
 
-    p = sub.add_parser("report", help="imitation vs GRPO over seeds 0..N-1: per-axis intervals in report.html "
-                       "(the --seed flag is ignored)")
+    p = sub.add_parser("report", help="imitation vs GRPO over seeds 0..N-1 (--seeds): per-axis intervals in "
+                       "report.html", conflict_handler="resolve")
     p.add_argument("--seeds", type=int, default=5, help="seeds 0..N-1 (default: 5)")
     p.add_argument("--out", default="runs/duplex/report", help="output directory (default: runs/duplex/report); "
-                   "finished runs in it are reused")
+                   "a finished run in it is reused only when its saved settings equal these, else refused in one "
+                   "line (pass --overwrite, or another --out)")
+    p.add_argument("--overwrite", action="store_true", help="retrain the finished runs in --out whose saved "
+                   "settings differ from these (matching ones are still reused)")
     p.add_argument("--ci", type=float, default=0.9, help="bootstrap interval level (default: 0.9)")
     add_train_args(p, run=False)
+    # seeds are 0..N-1: a --seed would be ignored, so it is left out of the help and refused when given
+    p.add_argument("--seed", type=int, default=None, help=argparse.SUPPRESS)
     p.set_defaults(fn=cmd_duplex_report)
 
     p = sub.add_parser("methods", help="list the duplex presets")

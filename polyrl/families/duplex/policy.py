@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from polyrl.errors import TrainingError
 from polyrl.families.duplex.rewards import SPEAK
 from polyrl.families.duplex.sim import FEATURES, Segments, frame_features
 
@@ -38,6 +39,8 @@ class GRUPolicy(nn.Module):
         for f in range(F):
             out, h = self.gru(frame_features(seg, silence, f, prev)[:, None], h)
             probs = torch.softmax(self.head(out[:, 0]), -1)
+            if not bool(torch.isfinite(probs).all()):  # diverged weights: stop in one line, not in multinomial
+                raise TrainingError("non-finite action probabilities in a rollout")
             a = torch.multinomial(probs, 1, generator=generator)[:, 0]
             a = torch.where(seg.forced[:, f], torch.full_like(a, SPEAK), a)
             acts[:, f] = a

@@ -1,12 +1,15 @@
 """`polyrl duplex report`: imitation baseline vs GRPO over seeds, per-axis metrics with bootstrap intervals.
 
 Per seed k, two runs in ``OUT/<method>/seed<k>/`` (the layout of `polyrl compare`, so a rerun skips finished
-runs): ``imitation`` (cloning continued for ``steps`` more steps) and ``grpo``. Both start from the same cloned
-policy (same seed, deterministic cloning), whose metrics are the baseline ("before"). The page
+runs -- only those whose saved settings equal the ones asked for now; one trained with other settings is refused in
+one line naming the setting, as a `polyrl compare` rerun's resume is, or retrained with ``overwrite``):
+``imitation`` (cloning continued for ``steps`` more steps) and ``grpo``. Both start from the same cloned policy (same
+seed, deterministic cloning), whose metrics are the baseline ("before"). The page
 (``polyrl.safety.report.write_report``) holds, per axis metric, the mean over seeds with a percentile-bootstrap
 interval (``polyrl.lab.stats.bootstrap_ci``) for the baseline, imitation-continued, GRPO and the scripted natural
 agent, the paired GRPO - baseline difference with its interval, and whether that interval lies entirely on the
-better side of 0.
+better side of 0. A single-axis task (``--task pause``) has no values for the other axes' metrics: they are left
+out of the page.
 """
 
 from __future__ import annotations
@@ -29,16 +32,57 @@ CLAIM = ("Multi-faceted interactivity alignment (arXiv:2606.11167): GRPO with ru
          "metric over a supervised imitation baseline over >= 5 seeds.")
 
 
+# Settings that change how a run is watched or where it runs, not its results: a finished run is reused across them.
+NOT_RESULTS = ("threads", "tensorboard", "checkpoint_every")
+
+
+def finished(run_dir: Path) -> dict[str, Any] | None:
+    """The run's summary when it finished (None when it did not)."""
+    path = run_dir / "summary.json"
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def stale_setting(summary: dict[str, Any], cfg) -> str | None:
+    """The first setting (besides ``NOT_RESULTS``) whose saved value differs from ``cfg``'s, as 'name = saved, not
+    asked'; None when the finished run is what ``cfg`` asks for (its results may be reused)."""
+    from dataclasses import asdict
+
+    saved = summary.get("config")
+    if not isinstance(saved, dict):
+        return "config = unknown (its summary.json records no settings)"
+    for name, value in asdict(cfg).items():
+        if name not in NOT_RESULTS and saved.get(name) != value:
+            return f"{name} = {saved.get(name)!r}, not {value!r}"
+    return None
+
+
+def check_reuse(cfg, *, seeds: int, out: Path, methods, overwrite: bool) -> None:
+    """Before any training: refuse (ConfigError, one line) a finished run in ``out`` trained with other settings,
+    unless ``overwrite`` (then ``run_seed`` retrains it). Reusing it would report settings it was not trained with."""
+    from polyrl.config import ConfigError
+
+    if overwrite:
+        return
+    for seed in range(seeds):
+        for m in methods:
+            s = finished(out / m / f"seed{seed}")
+            why = s is not None and stale_setting(s, replace(cfg, seed=seed))
+            if why:
+                raise ConfigError(f"{m}/seed{seed} in '{out}' was trained with {why}; pass --overwrite to retrain "
+                                 "such runs, or another --out")
+
+
 def run_seed(cfg, method_name: str, run_dir: Path) -> dict[str, Any]:
-    """Train one run (or read its summary when finished); return the summary."""
+    """Train one run (or read its summary when it finished with these settings); return the summary."""
     from rich.console import Console
 
     from polyrl.families.duplex.methods import get_duplex_method
     from polyrl.families.duplex.train import train_duplex
     from polyrl.runs import start_run_dir
 
-    if (run_dir / "summary.json").exists():
-        return json.loads((run_dir / "summary.json").read_text())
+    s = finished(run_dir)
+    if s is not None and not stale_setting(s, cfg):
+        return s
     start_run_dir(run_dir, overwrite=True)
     s = train_duplex(cfg, get_duplex_method(method_name), run_dir=run_dir, console=Console(file=io.StringIO()),
                      table_every=10**9)
@@ -46,9 +90,13 @@ def run_seed(cfg, method_name: str, run_dir: Path) -> dict[str, Any]:
 
 
 def _ci(values: list[float], level: float) -> dict[str, float]:
+    """Mean and bootstrap interval of the values that exist (NaN = the metric's event never occurred); all NaN
+    when none does, so that one empty cell cannot stop the report."""
     from polyrl.lab.stats import bootstrap_ci
 
     v = [x for x in values if not math.isnan(x)]
+    if not v:
+        return {"mean": math.nan, "lo": math.nan, "hi": math.nan, "n": 0}
     lo, hi = bootstrap_ci(v, level=level)
     return {"mean": float(np.mean(v)), "lo": lo, "hi": hi, "n": len(v)}
 
@@ -58,6 +106,8 @@ def analyse(summaries: dict[str, list[dict[str, Any]]], level: float = 0.9) -> d
     base = [s["metrics_before"] for s in summaries["grpo"]]
     out: dict[str, Any] = {}
     for m, sign in METRIC_SIGN.items():
+        if all(math.isnan(b[m]) for b in base):  # an axis the task has no segments of (e.g. --task pause)
+            continue
         row: dict[str, Any] = {"better": "higher" if sign > 0 else "lower",
                                "baseline": _ci([b[m] for b in base], level),
                                "natural": _ci([s["natural_agent"][m] for s in summaries["grpo"]], level)}
@@ -75,8 +125,18 @@ def analyse(summaries: dict[str, list[dict[str, Any]]], level: float = 0.9) -> d
     return out
 
 
+def _no_nan(x: Any) -> Any:
+    """``x`` with every NaN float as None: results.json is strict JSON, and a metric whose event never occurred (an
+    axis outside the task, a policy that never backchannels) is NaN."""
+    if isinstance(x, dict):
+        return {k: _no_nan(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_no_nan(v) for v in x]
+    return None if isinstance(x, float) and math.isnan(x) else x
+
+
 def _fmt(c: dict[str, float]) -> str:
-    return f"{c['mean']:.3f} [{c['lo']:.3f}, {c['hi']:.3f}]"
+    return "n/a" if c["n"] == 0 else f"{c['mean']:.3f} [{c['lo']:.3f}, {c['hi']:.3f}]"
 
 
 def plot(rows: dict[str, Any], path: Path, level: float) -> Path:
@@ -87,7 +147,8 @@ def plot(rows: dict[str, Any], path: Path, level: float) -> Path:
 
     names = [("natural", "scripted natural agent", "#bbbbbb"), ("baseline", "imitation baseline", "#8c8cd9"),
              ("imitation", "imitation, continued", "#5a5ab0"), ("grpo", "GRPO", "#d9534f")]
-    fig, axes = plt.subplots(1, len(rows), figsize=(3.1 * len(rows), 3.5))
+    fig, axes = plt.subplots(1, len(rows), figsize=(max(3.1 * len(rows), 7.0), 3.5), squeeze=False)
+    axes = axes[0]  # one metric (a single-axis task) still gives a row of axes
     for ax, (metric, row) in zip(axes, rows.items()):
         shown = [(k, lab, c) for k, lab, c in names if k in row]
         for i, (k, lab, c) in enumerate(shown):
@@ -106,11 +167,15 @@ def plot(rows: dict[str, Any], path: Path, level: float) -> Path:
 
 
 def write_duplex_report(cfg, *, seeds: int, out: str | Path, level: float = 0.9, methods=("imitation", "grpo"),
-                        progress=None) -> dict[str, Any]:
-    """Train every (method, seed), analyse, write ``report.html``, ``results.json`` and ``metrics.png`` in ``out``."""
+                        progress=None, overwrite: bool = False) -> dict[str, Any]:
+    """Train every (method, seed), analyse, write ``report.html``, ``results.json`` and ``metrics.png`` in ``out``.
+
+    A finished run in ``out`` is reused when its saved settings equal ``cfg`` (seed aside); one with other settings
+    raises ConfigError before anything trains, or is retrained when ``overwrite``."""
     from polyrl.safety.report import table_html, write_report
 
     out = Path(out)
+    check_reuse(cfg, seeds=seeds, out=out, methods=methods, overwrite=overwrite)
     t0 = time.perf_counter()
     summaries: dict[str, list[dict[str, Any]]] = {m: [] for m in methods}
     for seed in range(seeds):
@@ -147,8 +212,11 @@ def write_duplex_report(cfg, *, seeds: int, out: str | Path, level: float = 0.9,
              "(d) is '[ours; operational]'; the paper's reward formulas were not retrieved).",
              "Metrics are measured on a fixed evaluation set of segments per seed with sampled (not greedy) actions.",
              "Baseline = the policy cloned from the noisy scripted natural agent; both methods start from it."]
+    left_out = [m for m in METRIC_SIGN if m not in rows]
+    if left_out:
+        notes.append(f"Left out, no values on task {cfg.task!r} (no segments of their axis): {', '.join(left_out)}.")
     paths = write_report(out, title="polyrl duplex: full-duplex interactivity alignment", claim=CLAIM,
-                         verdict=verdict, results=results,
+                         verdict=verdict, results=_no_nan(results),
                          tables={"Per-axis metrics (mean [interval] over seeds)": table_html(headers, table),
                                  "Mean combined reward, before -> after": table_html(
                                      ["method", "before", "after"], rewards_tbl)},

@@ -13,12 +13,16 @@ Logged per step (``metrics.jsonl``): ``reward/mean``, ``reward/std``, ``objectiv
 ``objective/kl``, ``objective/grad_norm``, ``perf/step_seconds``. Checkpoints (``polyrl.checkpoint``) hold the
 policy, the reference, Adam, every RNG (the torch and numpy generators of the loop included) and the step, so
 ``--resume`` continues bit-exactly.
+
+A policy that diverges (a non-finite loss or action probabilities, e.g. from a learning rate far too large) stops
+the run with ``TrainingError`` in one line naming the phase and step; the checkpoints written before it are kept.
 """
 
 from __future__ import annotations
 
 import math
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -26,6 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from polyrl.errors import TrainingError
 from polyrl.families.duplex.methods import DuplexMethod
 from polyrl.families.duplex.policy import GRUPolicy
 from polyrl.families.duplex.rewards import AXES
@@ -98,6 +103,9 @@ class DuplexTrainConfig:
     """write TensorBoard event files to run_dir/tb"""
 
 
+# Settings only the RL phase reads: an imitation-only method would ignore them, so they are refused with it.
+RL_ONLY = ("lr", "clip_eps", "kl_coef", "updates_per_batch", "group_size")
+
 _POSITIVE_INT = ("steps", "imitation_batch", "groups", "group_size", "updates_per_batch", "frames", "hidden",
                  "eval_segments", "threads")
 
@@ -132,6 +140,23 @@ def validate_config(cfg: DuplexTrainConfig) -> None:
             raise ValueError(f"{name} = {v!r} is not allowed; allowed: >= 0")
 
 
+def check_method_settings(method: DuplexMethod, given: dict[str, Any]) -> None:
+    """Refuse an RL-only setting that was given (flag or TOML) with a method that has no RL phase: it would
+    change nothing, and a setting that changes nothing must not look as if it did (ValueError, one line)."""
+    if method.kind == "rl":
+        return
+    for name in RL_ONLY:
+        if name in given:
+            raise ValueError(f"{name} = {given[name]!r} does not apply to method {method.name!r} (no RL phase; "
+                             f"its extra steps are cloning with imitation_lr); drop it")
+
+
+def _finite(loss: torch.Tensor, what: str) -> None:
+    """Stop before a non-finite loss reaches the weights (it would turn every later rollout into NaN)."""
+    if not bool(torch.isfinite(loss)):
+        raise TrainingError(f"non-finite {what}")
+
+
 def reward_settings(cfg: DuplexTrainConfig) -> RewardSettings:
     return RewardSettings(min_gap=cfg.min_gap, max_gap=cfg.max_gap, stop_within=cfg.stop_within, decay=cfg.decay,
                           w_quality=cfg.w_quality)
@@ -148,6 +173,7 @@ def imitation_step(policy: GRUPolicy, opt, cfg: DuplexTrainConfig, rng: np.rando
     logp = policy.logp(features(seg, acts), acts)
     mask = (~seg.forced).float()
     loss = -(logp * mask).sum() / mask.sum()
+    _finite(loss, "imitation loss")
     opt.zero_grad()
     loss.backward()
     torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.max_grad_norm or math.inf)
@@ -204,6 +230,7 @@ def rl_step(policy: GRUPolicy, ref: GRUPolicy, opt, cfg: DuplexTrainConfig, meth
         d = ref_logp - logp
         k3 = d.exp() - 1 - d  # k3 estimator of KL(pi || pi_ref), per frame
         loss = agg(per_tok + cfg.kl_coef * k3, mask, norm, None)
+        _finite(loss, "RL loss")
         opt.zero_grad()
         loss.backward()
         gn = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.max_grad_norm or math.inf)
@@ -214,6 +241,35 @@ def rl_step(policy: GRUPolicy, ref: GRUPolicy, opt, cfg: DuplexTrainConfig, meth
             sums[k] = sums.get(k, 0.0) + float(v) / cfg.updates_per_batch
     return {**sums, "reward/mean": float(r.mean()), "reward/std": float(r.std()),
             "objective/adv_abs": float(adv.abs().mean())}
+
+
+def imitation_extra_step(policy: GRUPolicy, opt, cfg: DuplexTrainConfig, rng: np.random.Generator,
+                         g: torch.Generator) -> dict[str, float]:
+    """One step of an imitation method after the baseline: a cloning step, then one rollout only to log the reward
+    (so its curve is comparable with an RL method's)."""
+    metrics = {"objective/loss": imitation_step(policy, opt, cfg, rng)}
+    seg = make_segments(cfg.groups, cfg.frames, rng, axes=_axes(cfg), cue_noise=cfg.cue_noise)
+    r = rewards(seg, policy.rollout(seg, g), reward_settings(cfg))
+    return {**metrics, "reward/mean": float(r.mean()), "reward/std": float(r.std())}
+
+
+def check_resume_steps(cfg: DuplexTrainConfig, done: int, run_dir: Path) -> None:
+    """Refuse ``steps`` below the checkpoint's step: the run would end with more rows logged than its summary's
+    steps say (and a policy trained longer than recorded)."""
+    from polyrl.config import ConfigError
+
+    if cfg.steps < done:
+        raise ConfigError(f"steps = {cfg.steps} is not allowed; allowed: >= {done}, the step of the checkpoint "
+                          f"being resumed in '{run_dir}'")
+
+
+@contextmanager
+def _diverged(where: str, lr_flag: str):
+    """Add where a divergence happened and which learning rate to lower to its one-line TrainingError."""
+    try:
+        yield
+    except TrainingError as e:
+        raise TrainingError(f"{e} at {where}; lower --{lr_flag}") from None
 
 
 def train_duplex(cfg: DuplexTrainConfig, method: DuplexMethod, *, run_dir: str | Path, resume: bool = False,
@@ -239,6 +295,7 @@ def train_duplex(cfg: DuplexTrainConfig, method: DuplexMethod, *, run_dir: str |
         opt = torch.optim.Adam(policy.parameters(), lr=cfg.lr)
         state = load_checkpoint(path, model=policy, optimizer=opt, extra_models={"ref": ref})
         start, before, natural, bc_loss = state["step"], state["before"], state["natural"], state["bc_loss"]
+        check_resume_steps(cfg, start, run_dir)
         rng.bit_generator.state = state["np_generator"]
         g.set_state(state["torch_generator"])
         cut_logs(run_dir, start)
@@ -246,11 +303,14 @@ def train_duplex(cfg: DuplexTrainConfig, method: DuplexMethod, *, run_dir: str |
     else:
         opt = torch.optim.Adam(policy.parameters(), lr=cfg.imitation_lr)
         bc_loss = math.nan
-        for _ in range(cfg.imitation_steps):
-            bc_loss = imitation_step(policy, opt, cfg, rng)
+        for i in range(cfg.imitation_steps):
+            with _diverged(f"imitation step {i + 1}", "imitation-lr"):
+                bc_loss = imitation_step(policy, opt, cfg, rng)
         ref.load_state_dict(policy.state_dict())
         opt = torch.optim.Adam(policy.parameters(), lr=cfg.lr if method.kind == "rl" else cfg.imitation_lr)
-        before, natural = evaluate(policy, cfg), natural_metrics(cfg)
+        with _diverged("the end of the imitation phase", "imitation-lr"):
+            before = evaluate(policy, cfg)
+        natural = natural_metrics(cfg)
         history = []
     logger = RunLogger(run_dir, tensorboard=cfg.tensorboard, console=console, table_every=table_every,
                        history=history, purge_step=start + 1 if resume else None)
@@ -260,24 +320,22 @@ def train_duplex(cfg: DuplexTrainConfig, method: DuplexMethod, *, run_dir: str |
                         state={"step": step, "before": before, "natural": natural, "bc_loss": bc_loss,
                                "np_generator": rng.bit_generator.state, "torch_generator": g.get_state()})
 
+    lr_flag = "lr" if method.kind == "rl" else "imitation-lr"
     try:
         for step in range(start + 1, cfg.steps + 1):
             t0 = time.perf_counter()
-            if method.kind == "rl":
-                metrics = rl_step(policy, ref, opt, cfg, method, rng, g)
-            else:
-                metrics = {"objective/loss": imitation_step(policy, opt, cfg, rng)}
-                seg = make_segments(cfg.groups, cfg.frames, rng, axes=_axes(cfg), cue_noise=cfg.cue_noise)
-                r = rewards(seg, policy.rollout(seg, g), reward_settings(cfg))
-                metrics.update({"reward/mean": float(r.mean()), "reward/std": float(r.std())})
+            with _diverged(f"step {step}", lr_flag):
+                metrics = (rl_step(policy, ref, opt, cfg, method, rng, g) if method.kind == "rl"
+                           else imitation_extra_step(policy, opt, cfg, rng, g))
             metrics["perf/step_seconds"] = time.perf_counter() - t0
             logger.log(step, metrics)
             if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step < cfg.steps:
                 save(step)
     finally:
         logger.close()
+    with _diverged(f"the final evaluation (step {cfg.steps})", lr_flag):
+        after = evaluate(policy, cfg)  # before the final save: a diverged policy is not saved as the run's end
     save(cfg.steps)
-    after = evaluate(policy, cfg)
     rows = [r for r in logger.history if "perf/step_seconds" in r]
     summary = {"method": method.name, "task": cfg.task, "reward_before": before["reward/mean"],
                "reward_after": after["reward/mean"], "metrics_before": before, "metrics_after": after,

@@ -3,7 +3,9 @@
 ``add_parser(subparsers)`` is the family seam's entry; ``check_train_flags`` serves ``polyrl compare --family marl``
 (presets ``mappo`` and ``ippo``). Bad values raise ``ConfigError`` in one line naming the field, the value and what
 is allowed (exit 2). ``--resume`` continues a run from its ``checkpoint.pt`` with its saved settings; only
-``--steps``, ``--eval-every``, ``--checkpoint-every``, ``--threads`` and ``--tensorboard`` may change.
+``--steps`` (not below the checkpoint's step), ``--eval-every``, ``--checkpoint-every``, ``--threads`` and
+``--tensorboard`` may change; ``--resume`` with ``--overwrite`` is refused. ``report`` takes no ``--seed`` (it runs
+seeds 0..N-1) and reuses a finished run in ``--out`` only when its saved settings match.
 """
 
 from __future__ import annotations
@@ -63,6 +65,8 @@ def cmd_marl_train(args: argparse.Namespace) -> int:
 
     given = _given(args)
     if args.resume:
+        if args.overwrite:
+            raise ConfigError("resume and overwrite are exclusive; pass one of them")
         if not args.run_dir:
             raise ConfigError("resume needs --run-dir (the run to continue)")
         run_dir = Path(args.run_dir)
@@ -70,12 +74,14 @@ def cmd_marl_train(args: argparse.Namespace) -> int:
         if args.method is not None and args.method != method_name:
             raise ConfigError(f"method = {args.method!r} differs from the run's {method_name!r}")
         method = get_marl_method(method_name)
-        (run_dir / "summary.json").unlink(missing_ok=True)
         import torch
 
+        from polyrl.families.marl.train import check_resume_steps
         from polyrl.runs import record_resume
 
         step = torch.load(run_dir / "checkpoint.pt", weights_only=False)["step"]
+        check_resume_steps(cfg, step, run_dir)  # before the summary goes: a refused resume leaves the run as it was
+        (run_dir / "summary.json").unlink(missing_ok=True)
         record_resume(run_dir, step, "checkpoint.pt", changes)
     else:
         cfg = _build(given)
@@ -109,16 +115,34 @@ def cmd_marl_methods(args: argparse.Namespace) -> int:
     return 0
 
 
+def report_methods(text: str) -> list[str]:
+    """``--methods``: known presets, each once, at least one (ConfigError in one line naming --methods)."""
+    from polyrl.families.marl.methods import MARL_METHODS
+
+    names = [m.strip() for m in text.split(",") if m.strip()]
+    allowed = f"allowed: a comma-separated list of {', '.join(MARL_METHODS)}, each at most once"
+    bad = [m for m in names if m not in MARL_METHODS]
+    if not names or bad or len(set(names)) < len(names):
+        raise ConfigError(f"methods = {text!r} is not allowed; {allowed}")
+    return names
+
+
 def cmd_marl_report(args: argparse.Namespace) -> int:
+    """Check every report option before the first run trains (a bad one fails in one line, not after training)."""
     from polyrl.families.marl.report import run_report
 
     if args.seeds < 1:
         raise ConfigError(f"seeds = {args.seeds} is not allowed; allowed: an integer >= 1")
+    if not 0 < args.ci < 1:
+        raise ConfigError(f"ci = {args.ci} is not allowed; allowed: in (0, 1)")
+    methods = report_methods(args.methods)
     given = _given(args)
-    given.pop("seed", None)
+    if "seed" in given:
+        raise ConfigError(f"seed = {given['seed']!r} is not allowed in a report: it trains seeds 0..N-1; set their "
+                          "number with --seeds")
     cfg = _build(given)
-    paths = run_report(cfg, seeds=args.seeds, out=Path(args.out), methods=args.methods.split(","), console=console,
-                       ci=args.ci)
+    paths = run_report(cfg, seeds=args.seeds, out=Path(args.out), methods=methods, console=console, ci=args.ci,
+                       overwrite=args.overwrite)
     console.print(f"report: {paths['html']}  results: {paths['results']}")
     return 0
 
@@ -159,12 +183,18 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p = sub.add_parser("methods", help="list the marl presets")
     p.set_defaults(fn=cmd_marl_methods)
     p = sub.add_parser("report", help="train mappo and the no-central-critic ablation (ippo) per seed; write "
-                       "report.html with held-out success rates and intervals")
+                       "report.html with held-out success rates and intervals", conflict_handler="resolve")
     p.add_argument("--seeds", type=int, default=3, help="seeds per method (0 .. N-1; default: 3)")
-    p.add_argument("--out", default="runs/marl/report", help="output directory (default: runs/marl/report)")
+    p.add_argument("--out", default="runs/marl/report", help="output directory (default: runs/marl/report); a "
+                   "finished run in it is reused only when its saved settings equal these, else refused in one line "
+                   "(pass --overwrite, or another --out)")
+    p.add_argument("--overwrite", action="store_true", help="retrain the finished runs in --out whose saved "
+                   "settings differ from these (matching ones are still reused)")
     p.add_argument("--methods", default="mappo,ippo", help="presets to compare (default: mappo,ippo)")
     p.add_argument("--ci", type=float, default=0.9, help="bootstrap confidence level over seeds (default: 0.9)")
     p.add_argument("--config", metavar="FILE.toml", help="TOML file of the train settings; flags override it")
     add_config_args(p, MarlTrainConfig)
+    # seeds are 0..N-1: a --seed would be ignored, so it is left out of the help and refused when given
+    p.add_argument("--seed", type=int, default=None, help=argparse.SUPPRESS)
     p.set_defaults(fn=cmd_marl_report)
     return marl

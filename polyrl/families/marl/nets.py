@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from polyrl.errors import TrainingError
 from polyrl.families.marl.env import NBR_DIM, OBS_DIM
 
 TEAM_DIM = 3
@@ -52,7 +53,11 @@ class Actor(nn.Module):
 
     def dist(self, own: Tensor, nbr: Tensor, nmask: Tensor) -> torch.distributions.Normal:
         mu = self.net(own, nbr, nmask)
-        return torch.distributions.Normal(mu, self.log_std.exp().expand_as(mu))
+        std = self.log_std.exp().expand_as(mu)
+        if not bool(torch.isfinite(mu).all() and torch.isfinite(std).all() and (std > 0).all()):
+            # diverged weights: one line here rather than Normal's traceback listing every NaN
+            raise TrainingError("non-finite actor output (action mean or std)")
+        return torch.distributions.Normal(mu, std)
 
 
 class LocalCritic(nn.Module):

@@ -1,7 +1,9 @@
 """`polyrl marl report`: train each method (mappo, and ippo = no centralised critic) per seed; write report.html.
 
-Each (method, seed) run is an ordinary train run in ``OUT/<method>/seed<k>/`` (a finished one, with summary.json,
-is reused). The page holds held-out success (teams of 5 and 7 robots, polygons of 9-11 vertices with more irregular
+Each (method, seed) run is an ordinary train run in ``OUT/<method>/seed<k>/``. A finished one (summary.json) is
+reused when its saved settings equal the ones asked for now; one trained with other settings is refused in one line
+naming the setting before anything trains (as a `polyrl compare` rerun's resume is), or retrained with
+``overwrite``. The page holds held-out success (teams of 5 and 7 robots, polygons of 9-11 vertices with more irregular
 radii, mass weights skewed by a power 2.5: none seen in training), success on unseen shapes and masses with the
 trained team sizes, and training-distribution success, each as the mean
 over seeds with a percentile-bootstrap interval (``polyrl.lab.stats.bootstrap_ci``), the per-seed numbers, the
@@ -18,6 +20,45 @@ from typing import Any
 import numpy as np
 
 from polyrl.lab.stats import bootstrap_ci
+
+# Settings that change how a run is watched or where it runs, not its results: a finished run is reused across them.
+NOT_RESULTS = ("threads", "tensorboard", "checkpoint_every")
+
+
+def finished(run_dir: Path) -> dict[str, Any] | None:
+    """The run's summary when it finished (None when it did not)."""
+    path = run_dir / "summary.json"
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def stale_setting(summary: dict[str, Any], cfg) -> str | None:
+    """The first setting (besides ``NOT_RESULTS``) whose saved value differs from ``cfg``'s, as 'name = saved, not
+    asked'; None when the finished run is what ``cfg`` asks for."""
+    from dataclasses import asdict
+
+    saved = summary.get("config")
+    if not isinstance(saved, dict):
+        return "config = unknown (its summary.json records no settings)"
+    for name, value in asdict(cfg).items():
+        if name not in NOT_RESULTS and saved.get(name) != value:
+            return f"{name} = {saved.get(name)!r}, not {value!r}"
+    return None
+
+
+def check_reuse(cfg, *, seeds: int, out: Path, methods: list[str], overwrite: bool) -> None:
+    """Before any training: refuse (ConfigError, one line) a finished run in ``out`` trained with other settings,
+    unless ``overwrite`` (then it is retrained). Reusing it would report settings it was not trained with."""
+    from polyrl.config import ConfigError
+
+    if overwrite:
+        return
+    for m in methods:
+        for seed in range(seeds):
+            s = finished(out / m / f"seed{seed}")
+            why = s is not None and stale_setting(s, replace(cfg, seed=seed))
+            if why:
+                raise ConfigError(f"{m}/seed{seed} in '{out}' was trained with {why}; pass --overwrite to retrain "
+                                  "such runs, or another --out")
 
 
 def _curve_plot(runs: dict[str, list[list[dict]]], path: Path) -> Path:
@@ -43,14 +84,22 @@ def _curve_plot(runs: dict[str, list[list[dict]]], path: Path) -> Path:
     return path
 
 
-def run_report(cfg, *, seeds: int, out: Path, methods: list[str], console=None, ci: float = 0.9) -> dict[str, Path]:
-    """Train (or reuse) every method x seed with ``cfg`` (seed replaced), then write results.json and report.html."""
+def run_report(cfg, *, seeds: int, out: Path, methods: list[str], console=None, ci: float = 0.9,
+               overwrite: bool = False) -> dict[str, Path]:
+    """Train (or reuse, see ``check_reuse``) every method x seed with ``cfg`` (seed replaced), then write
+    results.json and report.html. Everything is checked before the first run trains."""
+    from polyrl.config import ConfigError
     from polyrl.families.marl.methods import get_marl_method
     from polyrl.families.marl.train import train_marl
     from polyrl.runs import start_run_dir, write_record
     from polyrl.safety.report import table_html, write_report
 
+    if not 0 < ci < 1:
+        raise ConfigError(f"ci = {ci} is not allowed; allowed: in (0, 1)")
     ms = [get_marl_method(m.strip()) for m in methods if m.strip()]
+    if not ms:
+        raise ConfigError(f"methods = {','.join(methods)!r} is not allowed; allowed: at least one preset")
+    check_reuse(cfg, seeds=seeds, out=out, methods=[m.name for m in ms], overwrite=overwrite)
     per: dict[str, dict[str, list]] = {}
     hists: dict[str, list] = {}
     for m in ms:
@@ -59,8 +108,8 @@ def run_report(cfg, *, seeds: int, out: Path, methods: list[str], console=None, 
         for seed in range(seeds):
             run_dir = out / m.name / f"seed{seed}"
             c = replace(cfg, seed=seed)
-            if (run_dir / "summary.json").is_file():
-                s = json.loads((run_dir / "summary.json").read_text())
+            s = finished(run_dir)
+            if s is not None and not stale_setting(s, c):
                 hist = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
             else:
                 run_dir = start_run_dir(run_dir, overwrite=True)

@@ -6,7 +6,10 @@ each agent of each episode is one row [T] of the batch (padded agents are masked
 over the batch; returns from ``gae_advantages_and_returns``. Loss: ``trust_regions.clip`` on log pi(a|o) summed
 over the 2 action dimensions, aggregated with ``aggregation.token_mean``; plus value_coef *
 ``value.clipped_value_loss`` minus entropy_coef * entropy. ``epochs`` passes, each split into ``minibatches`` by
-episode. Convention: one Adam over actor and critic together (the critic's loss has its own coefficient).
+episode (``tensor_split``: exactly ``minibatches`` optimizer steps per pass; ``validate_config`` keeps
+``minibatches <= envs``). Convention: one Adam over actor and critic together (the critic's loss has its own
+coefficient). A run that diverges (a non-finite loss or actor output) stops with ``TrainingError`` in one line naming
+the step; the checkpoint written before it is kept.
 
 Logged per step: reward/mean (team reward per agent-step), train/success, objective/* and, every eval_every
 steps, eval/success_train, eval/success_heldout_shapes (unseen shapes and masses, trained team sizes) and
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import math
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -26,6 +30,7 @@ from typing import Any
 import torch
 
 import polyrl.objectives  # noqa: F401  (registers the advantage estimators)
+from polyrl.errors import TrainingError
 from polyrl.families.marl import env as E
 from polyrl.families.marl.methods import MarlMethod
 from polyrl.families.marl.nets import CRITICS, Actor
@@ -173,6 +178,15 @@ def evaluate(agent: Agent, cfg: MarlTrainConfig, dist: E.Distribution, seed: int
     return rollout(agent, cfg, dist, cfg.eval_episodes, g, deterministic=True)["success"].float().mean().item()
 
 
+def evaluate_all(agent: Agent, cfg: MarlTrainConfig, dist: E.Distribution) -> dict[str, float]:
+    """The three success rates logged at an evaluation step: training distribution, unseen shapes and masses with
+    the trained team sizes, and the full held-out distribution (``eval/accuracy``, what `polyrl compare` ranks)."""
+    return {"eval/success_train": evaluate(agent, cfg, dist, cfg.seed + 10_007),
+            "eval/success_heldout_shapes": evaluate(agent, cfg, replace(E.HELDOUT, teams=dist.teams),
+                                                    cfg.seed + 30_011),
+            "eval/accuracy": evaluate(agent, cfg, E.HELDOUT, cfg.seed + 20_011)}
+
+
 def train_dist(cfg: MarlTrainConfig) -> E.Distribution:
     return replace(E.TRAIN, teams=parse_teams(cfg.teams))
 
@@ -202,7 +216,7 @@ def update(agent: Agent, opt: torch.optim.Optimizer, batch: dict[str, Any], cfg:
     count = 0
     params = list(agent.parameters())
     for _ in range(cfg.epochs):
-        for envs in torch.randperm(B, generator=g).chunk(cfg.minibatches):
+        for envs in torch.randperm(B, generator=g).tensor_split(cfg.minibatches):  # chunk() may give fewer
             rows = (envs[:, None] * N + torch.arange(N)[None]).reshape(-1)
             d = agent.actor.dist(own[:, envs], nbr[:, envs], nmask[:, envs])
             logp = _rows(d.log_prob(batch["act"][:, envs]).sum(-1))
@@ -217,6 +231,8 @@ def update(agent: Agent, opt: torch.optim.Optimizer, batch: dict[str, Any], cfg:
             vloss = clipped_value_loss(v, values[rows], returns[rows], m, cfg.value_clip)
             entropy = token_mean(ent, m, norm, None)
             loss = pg + cfg.value_coef * vloss - cfg.entropy_coef * entropy
+            if not bool(torch.isfinite(loss)):  # stop before NaN reaches the weights
+                raise TrainingError("non-finite loss")
             opt.zero_grad()
             loss.backward()
             gn = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm or math.inf)
@@ -235,6 +251,25 @@ def save_checkpoint(path: Path, agent: Agent, opt, g: torch.Generator, step: int
     torch.save({"agent": agent.state_dict(), "opt": opt.state_dict(), "rng": g.get_state(), "step": step,
                 "history": history}, tmp)
     tmp.replace(path)
+
+
+def check_resume_steps(cfg: MarlTrainConfig, done: int, run_dir: Path) -> None:
+    """Refuse ``steps`` below the checkpoint's step: the summary would say fewer steps than metrics.jsonl holds
+    and the weights were trained for."""
+    from polyrl.config import ConfigError
+
+    if cfg.steps < done:
+        raise ConfigError(f"steps = {cfg.steps} is not allowed; allowed: >= {done}, the step of the checkpoint "
+                          f"being resumed in '{run_dir}'")
+
+
+@contextmanager
+def _diverged(step: int):
+    """Add the step and the remedy to a divergence's one-line TrainingError."""
+    try:
+        yield
+    except TrainingError as e:
+        raise TrainingError(f"{e} at step {step}; lower --lr") from None
 
 
 def train_marl(cfg: MarlTrainConfig, method: MarlMethod, *, run_dir: str | Path, console=None, resume: bool = False,
@@ -259,6 +294,7 @@ def train_marl(cfg: MarlTrainConfig, method: MarlMethod, *, run_dir: str | Path,
         opt.load_state_dict(state["opt"])
         g.set_state(state["rng"])
         start, history = state["step"], state["history"]
+        check_resume_steps(cfg, start, run_dir)
         _cut_metrics(run_dir, start)
     dist = train_dist(cfg)
     logger = RunLogger(run_dir, tensorboard=cfg.tensorboard, console=console, table_every=table_every,
@@ -266,18 +302,15 @@ def train_marl(cfg: MarlTrainConfig, method: MarlMethod, *, run_dir: str | Path,
     try:
         for step in range(start + 1, cfg.steps + 1):
             t0 = time.perf_counter()
-            batch = rollout(agent, cfg, dist, cfg.envs, g)
-            metrics = update(agent, opt, batch, cfg, g)
-            if not math.isfinite(metrics["objective/loss"]):
-                raise ValueError(f"non-finite loss at step {step}; lower --lr")
+            with _diverged(step):
+                batch = rollout(agent, cfg, dist, cfg.envs, g)
+                metrics = update(agent, opt, batch, cfg, g)
             metrics.update({"reward/mean": batch["reward"].mean().item(),
                             "train/success": batch["success"].float().mean().item(),
                             "train/margin": batch["margin"].mean().item()})
             if step % cfg.eval_every == 0 or step == cfg.steps:
-                metrics["eval/success_train"] = evaluate(agent, cfg, dist, cfg.seed + 10_007)
-                metrics["eval/success_heldout_shapes"] = evaluate(agent, cfg, replace(E.HELDOUT, teams=dist.teams),
-                                                                  cfg.seed + 30_011)
-                metrics["eval/accuracy"] = evaluate(agent, cfg, E.HELDOUT, cfg.seed + 20_011)
+                with _diverged(step):
+                    metrics.update(evaluate_all(agent, cfg, dist))
             metrics["perf/step_seconds"] = time.perf_counter() - t0
             logger.log(step, metrics)
             if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or step == cfg.steps:

@@ -1,0 +1,162 @@
+"""`polyrl duplex train | report` from the command line: every setting changes what runs or is refused in one line,
+a diverging run stops in one line, and a report or a resume never mixes runs trained with other settings."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+
+import pytest
+
+from polyrl.config import ConfigError
+
+# the smallest run: one cloning step, tiny groups, a 16-segment evaluation (well under a second)
+TINY = ["--imitation-steps", "1", "--imitation-batch", "8", "--groups", "2", "--group-size", "2", "--frames", "40",
+        "--hidden", "8", "--eval-segments", "16"]
+
+
+def _cli(capsys, *args: str) -> tuple[int, str]:
+    """Exit code and stderr of `polyrl ARGS` run in this process."""
+    from polyrl.cli import main
+
+    capsys.readouterr()
+    code = main(list(args))
+    return code, capsys.readouterr().err
+
+
+def _one_line(err: str, *words: str) -> None:
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    for w in words:
+        assert w in err, (w, err)
+
+
+def _rows(run) -> list[int]:
+    return [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+# ---- report ---------------------------------------------------------------------------------------------------
+def test_report_reuses_a_finished_run_only_with_the_same_settings(tmp_path, capsys):
+    out, summary = str(tmp_path / "rep"), tmp_path / "rep" / "grpo" / "seed0" / "summary.json"
+    rep = ["duplex", "report", "--seeds", "1", *TINY, "--out", out]
+    assert _cli(capsys, *rep, "--steps", "1")[0] == 0
+    first = summary.read_text()
+    code, err = _cli(capsys, *rep, "--steps", "3", "--lr", "0.5")
+    assert code == 2
+    _one_line(err, "steps = 1, not 3", "--overwrite")
+    assert summary.read_text() == first  # nothing retrained, nothing reported
+    assert _cli(capsys, *rep, "--steps", "3", "--lr", "0.5", "--overwrite")[0] == 0
+    s = json.loads(summary.read_text())
+    assert s["steps"] == 3 and s["config"]["lr"] == 0.5
+    assert json.loads((tmp_path / "rep" / "results.json").read_text())["config"]["steps"] == 3
+
+
+def test_stale_setting_names_the_first_difference_and_ignores_run_control():
+    from dataclasses import asdict, replace
+
+    from polyrl.families.duplex.report import stale_setting
+    from polyrl.families.duplex.train import DuplexTrainConfig
+
+    cfg = DuplexTrainConfig(steps=1)
+    saved = {"config": asdict(cfg)}
+    assert stale_setting(saved, replace(cfg, threads=2, tensorboard=True, checkpoint_every=5)) is None
+    assert stale_setting(saved, replace(cfg, steps=3, lr=0.5)) == "steps = 1, not 3"
+    assert stale_setting({}, cfg).startswith("config = unknown")
+
+
+def test_report_offers_no_seed_and_refuses_one(tmp_path, capsys):
+    from polyrl.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["duplex", "report", "--help"])
+    assert not re.search(r"--seed(?![s\w])", capsys.readouterr().out)
+    code, err = _cli(capsys, "duplex", "report", "--seed", "9", "--out", str(tmp_path / "r"))
+    assert code == 2
+    _one_line(err, "seed = 9", "--seeds")
+    (tmp_path / "c.toml").write_text("seed = 3\n")
+    code, err = _cli(capsys, "duplex", "report", "--config", str(tmp_path / "c.toml"), "--out", str(tmp_path / "r"))
+    assert code == 2
+    _one_line(err, "seed = 3")
+    assert not (tmp_path / "r").exists()
+
+
+def test_report_on_a_single_axis_task_leaves_out_the_other_axes(tmp_path, capsys):
+    assert _cli(capsys, "duplex", "report", "--seeds", "1", "--steps", "1", "--task", "pause", *TINY,
+                "--out", str(tmp_path))[0] == 0
+    res = json.loads((tmp_path / "results.json").read_text())  # strict JSON: no NaN left in it
+    assert list(res["metrics"]) == ["pause/takeover_rate"]
+    assert (tmp_path / "metrics.png").is_file() and (tmp_path / "report.html").is_file()
+
+
+def test_analyse_reports_a_metric_with_no_values_as_n_a():
+    from polyrl.families.duplex.report import _fmt, analyse
+
+    nan = math.nan
+    m = {"pause/takeover_rate": 0.5, "turn/gap_error": nan, "backchannel/rate": nan, "backchannel/overlap": nan,
+         "interrupt/yield_frames": nan}
+    after = {**m, "backchannel/rate": 0.1}  # values after, none before: still no crash
+    s = {"metrics_before": m, "metrics_after": after, "natural_agent": m}
+    rows = analyse({"imitation": [s], "grpo": [s]})
+    assert list(rows) == ["pause/takeover_rate"] and _fmt(rows["pause/takeover_rate"]["grpo"]) == "0.500 [0.500, 0.500]"
+    from polyrl.families.duplex.report import _ci
+
+    assert _fmt(_ci([nan, nan], 0.9)) == "n/a"
+
+
+# ---- train: divergence, settings the method does not read --------------------------------------------------------
+def test_diverging_run_stops_in_one_line(tmp_path, capsys):
+    run = tmp_path / "r"
+    code, err = _cli(capsys, "duplex", "train", "--steps", "3", *TINY, "--lr", "1e30", "--run-dir", str(run))
+    assert code == 1
+    _one_line(err, "training stopped: non-finite", "lower --lr")
+    assert (run / "config.json").is_file() and not (run / "summary.json").exists()
+
+
+@pytest.mark.parametrize("flag, value, field", [("--lr", "9", "lr"), ("--clip-eps", "0.9", "clip_eps"),
+                                                ("--kl-coef", "5", "kl_coef"),
+                                                ("--updates-per-batch", "7", "updates_per_batch"),
+                                                ("--group-size", "99", "group_size")])
+def test_rl_only_setting_with_imitation_is_refused(flag, value, field):
+    from polyrl.families.duplex.cli import check_train_flags
+
+    with pytest.raises(ConfigError) as e:
+        check_train_flags(["--method", "imitation", flag, value])
+    assert str(e.value).startswith(f"{field} = ") and "imitation" in str(e.value) and "\n" not in str(e.value)
+    check_train_flags(["--method", "grpo", flag, value])  # an RL method reads it
+
+
+def test_imitation_accepts_the_settings_it_reads(tmp_path, capsys):
+    from polyrl.families.duplex.cli import check_train_flags
+
+    check_train_flags(["--method", "imitation", "--imitation-lr", "0.01", "--max-grad-norm", "0.5", "--groups", "3"])
+    (tmp_path / "c.toml").write_text("lr = 0.5\n")  # a TOML key is given as much as a flag
+    code, err = _cli(capsys, "duplex", "train", "--method", "imitation", "--config", str(tmp_path / "c.toml"),
+                     "--run-dir", str(tmp_path / "r"))
+    assert code == 2
+    _one_line(err, "lr = 0.5", "imitation")
+    assert not (tmp_path / "r").exists()
+
+
+# ---- resume ----------------------------------------------------------------------------------------------------
+def test_resume_keeps_method_and_advantage(tmp_path, capsys):
+    run = tmp_path / "r"
+    assert _cli(capsys, "duplex", "train", "--steps", "1", *TINY, "--run-dir", str(run))[0] == 0
+    record, summary = (run / "config.json").read_text(), (run / "summary.json").read_text()
+    for flags, field in ((["--advantage", "rloo"], "advantage"), (["--method", "rloo"], "method"),
+                         (["--hidden", "9"], "hidden")):
+        code, err = _cli(capsys, "duplex", "train", "--steps", "2", *TINY, *flags, "--run-dir", str(run), "--resume")
+        assert code == 2
+        _one_line(err, f"{field} = ", "differs")
+    assert (run / "config.json").read_text() == record and (run / "summary.json").read_text() == summary
+    # without flags a resume continues with the run's own settings (not the defaults)
+    assert _cli(capsys, "duplex", "train", "--steps", "2", "--run-dir", str(run), "--resume")[0] == 0
+    assert _rows(run) == [1, 2] and json.loads((run / "summary.json").read_text())["config"]["hidden"] == 8
+
+
+def test_resume_refuses_fewer_steps_than_done(tmp_path, capsys):
+    run = tmp_path / "r"
+    assert _cli(capsys, "duplex", "train", "--steps", "3", *TINY, "--run-dir", str(run))[0] == 0
+    code, err = _cli(capsys, "duplex", "train", "--steps", "1", *TINY, "--run-dir", str(run), "--resume")
+    assert code == 2
+    _one_line(err, "steps = 1", ">= 3")
+    assert _rows(run) == [1, 2, 3] and json.loads((run / "summary.json").read_text())["steps"] == 3
