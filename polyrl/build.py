@@ -10,7 +10,6 @@ both call it; it imports nothing heavy until it runs.
 from __future__ import annotations
 
 import argparse
-import shutil
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -161,8 +160,10 @@ def resolve_train(args: argparse.Namespace) -> TrainPlan:
         cfg.resume_from, plan.resume_step = str(checkpoint), int(meta["step"])
     elif world()[0] != 0:  # ranks > 0 of a multi-process run leave the run directory to rank 0
         pass
-    elif cfg.overwrite:
-        shutil.rmtree(run_dir, ignore_errors=True)
+    elif cfg.overwrite:  # only an empty directory or a polyrl run is cleared; anything else is refused
+        from polyrl.runs import clear_run_dir
+
+        clear_run_dir(run_dir, inputs={**vars(flat(cfg)), "config": getattr(args, "config", None)})
     elif latest_checkpoint(run_dir) is not None:
         raise ConfigError(f"run_dir = {run_dir!r} already holds checkpoints; pass --resume to continue it, "
                           "--overwrite to start over, or another --run-dir")

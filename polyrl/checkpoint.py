@@ -14,6 +14,7 @@ import hashlib
 import json
 import os
 import random
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,51 @@ from polyrl.errors import CheckpointError  # re-exported: defined without torch 
 FORMAT = 1
 _FILES = ("model.safetensors", "trainer_state.pt")
 ADAPTER_DIR = "adapter"  # a LoRA run's policy weights: the PEFT adapter alone (adapter_config.json, adapter_model...)
+_STEP_NAME = re.compile(r"step_(\d{6,})")  # what save_checkpoint writes: f"step_{step:06d}"; nothing else is one
+
+
+def checkpoint_step(path: str | Path) -> int | None:
+    """The step of a directory named exactly as ``save_checkpoint`` names one (``step_000123``), else None: a copy
+    such as ``step_000123.bak`` or ``superseded_step_000123`` is not a checkpoint of the run."""
+    name = Path(path).name
+    m = _STEP_NAME.fullmatch(name)
+    return int(m.group(1)) if m and name == f"step_{int(m.group(1)):06d}" else None
+
+
+def list_checkpoints(run_dir: str | Path) -> list[Path]:
+    """The run's checkpoint directories (``checkpoints/step_NNNNNN``, complete or not), oldest step first."""
+    root = Path(run_dir) / "checkpoints"
+    found = [p for p in root.iterdir() if p.is_dir() and checkpoint_step(p) is not None] if root.is_dir() else []
+    return sorted(found, key=checkpoint_step)
+
+
+def replace_dir(tmp: Path, final: Path) -> None:
+    """Move the complete directory ``tmp`` to ``final``; an existing ``final`` is renamed aside first and deleted
+    only once the new one is in place (a crash in between leaves it as ``.old_<name>_<pid>``, which
+    ``remove_partial_saves`` puts back), so the old copy is never lost before the new one is complete."""
+    old = None
+    if final.exists() or final.is_symlink():
+        old = final.with_name(f".old_{final.name}_{os.getpid()}")
+        if old.exists():
+            shutil.rmtree(old)
+        os.replace(final, old)
+    os.replace(tmp, final)
+    if old is not None:
+        if old.is_symlink() or not old.is_dir():
+            old.unlink()
+        else:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def prune_checkpoints(run_dir: str | Path, step: int, keep_last: int) -> None:
+    """Keep the newest ``keep_last`` checkpoints up to ``step`` (the one just saved counts); delete older ones. Only
+    ``step_NNNNNN`` directories are considered: a backup copy or a set-aside branch is never deleted, nor is the
+    checkpoint just saved."""
+    if keep_last <= 0:
+        return
+    older = [p for p in list_checkpoints(run_dir) if checkpoint_step(p) < step]
+    for old in older[:max(0, len(older) - (keep_last - 1))]:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def _sha256(path: Path) -> str:
@@ -93,29 +139,45 @@ def save_checkpoint(
     )
     meta = {"format": FORMAT, "step": step, "files": {f: _sha256(tmp / f) for f in files}}
     (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
-    if final.exists():  # re-saving the same step: replace atomically enough (old copy removed first)
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    if keep_last > 0:
-        for old in sorted(p for p in root.glob("step_*") if p.is_dir())[:-keep_last]:
-            shutil.rmtree(old, ignore_errors=True)
+    replace_dir(tmp, final)  # re-saving the same step: the old copy goes only once the new one is in place
+    prune_checkpoints(run_dir, step, keep_last)
     return final
 
 
 def latest_checkpoint(run_dir: str | Path) -> Path | None:
     """Newest complete checkpoint of a run (temporary directories are ignored), or None."""
-    root = Path(run_dir) / "checkpoints"
-    done = sorted(p for p in root.glob("step_*") if (p / "meta.json").exists()) if root.exists() else []
+    done = [p for p in list_checkpoints(run_dir) if (p / "meta.json").exists()]
     return done[-1] if done else None
 
 
 def remove_partial_saves(run_dir: str | Path) -> int:
-    """Delete the ``.tmp_step_*`` directories of saves that were interrupted; return how many."""
+    """Delete the ``.tmp_step_*`` directories of saves that were interrupted; return how many.
+
+    A ``.old_step_*`` directory (a checkpoint being replaced by a save of the same step when the process died) is
+    put back under its name when that name is free, and deleted only when the new copy made it into place.
+    """
     root = Path(run_dir) / "checkpoints"
-    partial = [p for p in root.glob(".tmp_step_*") if p.is_dir()] if root.exists() else []
+    if not root.is_dir():
+        return 0
+    partial = [p for p in root.glob(".tmp_step_*") if p.is_dir()]
     for p in partial:
         shutil.rmtree(p, ignore_errors=True)
+    _restore_replaced(root)
     return len(partial)
+
+
+def _restore_replaced(root: Path) -> None:
+    """Put a ``.old_step_*`` directory (left by a process that died while ``replace_dir`` swapped a re-saved step) back
+    under its name when that name is free; delete it when the new copy made it into place."""
+    for old in sorted(root.glob(".old_step_*")) if root.is_dir() else []:
+        m = re.fullmatch(r"\.old_(step_\d{6,})_\d+", old.name)
+        if m is None or not old.is_dir():
+            continue
+        final = root / m.group(1)
+        if final.exists():
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(old, final)
 
 
 def resume_checkpoint(run_dir: str | Path, resume_from: str | Path | None = None) -> tuple[Path, dict[str, Any]]:
@@ -124,10 +186,22 @@ def resume_checkpoint(run_dir: str | Path, resume_from: str | Path | None = None
     A corrupt newest checkpoint is not skipped silently: the error names the newest intact one and the
     flag that resumes from it.
     """
-    if resume_from is not None:
-        return Path(resume_from), verify_checkpoint(resume_from)
     root = Path(run_dir) / "checkpoints"
-    found = sorted((p for p in root.glob("step_*") if p.is_dir()), reverse=True) if root.exists() else []
+    if resume_from is not None:
+        path = Path(resume_from)
+        inside = path.absolute().parent.resolve() == root.resolve()
+        if not inside or checkpoint_step(path) is None:
+            raise CheckpointError(
+                f"resume_from = {str(resume_from)!r} is not a checkpoint of run_dir = {str(run_dir)!r}; allowed: "
+                f"a directory {root}/step_NNNNNN (a resume continues this run; to train from another run's "
+                "weights, export them with `polyrl export` and start a new run with --model)")
+        meta = verify_checkpoint(path)
+        if meta["step"] != checkpoint_step(path):
+            raise CheckpointError(f"checkpoint {path}: its meta.json says step {meta['step']}, its name step "
+                                  f"{checkpoint_step(path)}; it was renamed or copied, so it cannot be resumed")
+        return path, meta
+    _restore_replaced(root)  # a step whose re-save was interrupted mid-swap is still the run's
+    found = list_checkpoints(run_dir)[::-1]
     if not found:
         raise CheckpointError(f"run_dir = {str(run_dir)!r} has no checkpoint to resume from")
     try:
@@ -152,8 +226,8 @@ def set_aside_newer(run_dir: str | Path, step: int) -> list[Path]:
     """
     root = Path(run_dir) / "checkpoints"
     moved = []
-    for p in sorted(root.glob("step_*")) if root.exists() else []:
-        if p.is_dir() and int(p.name.split("_")[1]) > step:
+    for p in list_checkpoints(run_dir):
+        if checkpoint_step(p) > step:
             target = root / f"superseded_{p.name}"
             n = 1
             while target.exists():
@@ -174,15 +248,31 @@ def verify_checkpoint(path: str | Path) -> dict[str, Any]:
         raise CheckpointError(
             f"checkpoint {path} has no readable meta.json ({e.__class__.__name__}); it is incomplete or corrupt"
         ) from None
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"checkpoint {path}: meta.json holds a {type(meta).__name__}, not an object with "
+                              "format, step and files; it is corrupt")
     if meta.get("format") != FORMAT:
         raise CheckpointError(f"checkpoint {path} has format {meta.get('format')!r}; this polyrl reads format {FORMAT}")
-    for name, digest in meta["files"].items():
+    step, files = meta.get("step"), meta.get("files")
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise CheckpointError(f"checkpoint {path}: meta.json has step = {step!r}; allowed: an integer >= 0 "
+                              "(it is corrupt)")
+    if not isinstance(files, dict) or not files or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in files.items()):
+        raise CheckpointError(f"checkpoint {path}: meta.json has files = {_short(files)}; allowed: an object of "
+                              "file name -> SHA-256 (it is corrupt)")
+    for name, digest in files.items():
         f = path / name
         if not f.exists():
             raise CheckpointError(f"checkpoint {path} is missing {name}")
         if _sha256(f) != digest:
             raise CheckpointError(f"checkpoint {path}: {name} does not match its checksum (corrupt or modified)")
     return meta
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def load_checkpoint(

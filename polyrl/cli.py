@@ -164,10 +164,14 @@ def cache_dir() -> Path:
 
 
 def cmd_warmstart(args: argparse.Namespace) -> int:
-    from polyrl.tinylm import warmstart
+    from polyrl.tinylm import WarmstartError, check_warmstart, warmstart
 
-    result = warmstart(args.task, cache_dir() / "warmstart", threshold=args.threshold, seed=args.seed,
-                       hidden=args.hidden, layers=args.layers)
+    check_warmstart(args.task, threshold=args.threshold, seed=args.seed, hidden=args.hidden, layers=args.layers)
+    try:
+        result = warmstart(args.task, cache_dir() / "warmstart", threshold=args.threshold, seed=args.seed,
+                           hidden=args.hidden, layers=args.layers)
+    except WarmstartError as e:  # the threshold was not reached within the step cap
+        raise TrainingError(str(e)) from None
     how = "cached" if result.cached else f"trained in {result.seconds:.0f} s, {result.steps} steps"
     console.print(f"warm start for {args.task}: accuracy {result.accuracy:.3f} ({how})\n{result.path}")
     return 0
@@ -204,14 +208,27 @@ def cmd_train(args: argparse.Namespace) -> int:
     global console
     if world()[0] != 0:  # one rank of several speaks and writes the run directory: rank 0
         console = Console(quiet=True)
+    if args.model is None and args.config is None and args.data_file is not None and not (
+            args.resume or args.resume_from):  # refused before resolve_train clears the run directory (--overwrite)
+        from polyrl.tinylm import check_warmstart
+
+        check_warmstart(args.task or "addition")  # a task read from --data-file has no warm start: --model
     plan = resolve_train(args)
     for note in plan.notes:
         console.print(note)
     cfg, method, task, run_dir = plan.cfg, plan.method, plan.task, plan.run_dir
+    args.resolved_run_dir = run_dir  # for `main`'s line on Ctrl-C
+    blocker = next((p for p in [Path(run_dir), *Path(run_dir).parents] if p.exists() or p.is_symlink()), None)
+    if blocker is not None and not blocker.is_dir():
+        raise ConfigError(f"run_dir = {run_dir!r} is not allowed: {str(blocker)!r} is a file, not a directory")
     if cfg.model is None:
-        from polyrl.tinylm import warmstart
+        from polyrl.tinylm import WarmstartError, check_warmstart, warmstart
 
-        ws = warmstart(cfg.task, cache_dir() / "warmstart", seed=0)
+        check_warmstart(cfg.task)  # a task read from --data-file has no warm start: one line asking for --model
+        try:
+            ws = warmstart(cfg.task, cache_dir() / "warmstart", seed=0)
+        except WarmstartError as e:
+            raise TrainingError(str(e)) from None
         cfg.model = ws.path
         console.print(f"warm start: {cfg.model} ({'cached' if ws.cached else f'{ws.seconds:.0f} s'}, "
                       f"accuracy {ws.accuracy:.3f})")
@@ -223,7 +240,10 @@ def cmd_train(args: argparse.Namespace) -> int:
         leave()
         return 0 if done else 1
     created = not Path(run_dir).exists()
-    Path(run_dir).mkdir(parents=True, exist_ok=True)
+    try:
+        Path(run_dir).mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # e.g. no permission
+        raise ConfigError(f"run_dir = {run_dir!r} cannot be created: {e.strerror or e}") from None
     if cfg.resume:
         record_resume(run_dir, plan.resume_step, cfg.resume_from, plan.changes)
         said = "; ".join(f"{k} {old} -> {new}" for k, (old, new) in plan.changes.items())
@@ -310,7 +330,9 @@ class OneLineParser(argparse.ArgumentParser):
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    from polyrl.lab.compare import check_train_flags, parse_method_args, split_label, validate_runs
+    import math
+
+    from polyrl.lab.compare import check_train_flags, parse_method_args, refuse_run_flags, split_label, validate_runs
 
     presets = dict(split_label(m) for m in args.methods.split(",") if m.strip())  # label -> preset
     methods = list(presets)
@@ -318,7 +340,17 @@ def cmd_compare(args: argparse.Namespace) -> int:
         raise ConfigError("methods = '' : give at least one preset, e.g. --methods grpo,dapo")
     if args.seeds < 1 or args.workers < 1:
         raise ConfigError(f"seeds = {args.seeds}, workers = {args.workers}: both must be >= 1")
+    # The analysis settings are used after every run has trained: checked now.
+    if not 0.0 < args.ci < 1.0:
+        raise ConfigError(f"ci = {args.ci} is not allowed: a confidence level in (0, 1), e.g. 0.9")
+    if not 0.0 < args.collapse_drop <= 1.0:
+        raise ConfigError(f"collapse_drop = {args.collapse_drop} is not allowed: a fraction in (0, 1], e.g. 0.5")
+    if not math.isfinite(args.threshold):
+        raise ConfigError(f"threshold = {args.threshold} is not allowed: a finite number (a held-out accuracy)")
     per_method = parse_method_args(args.method_args, methods)
+    refuse_run_flags(args.extra, "train flags")  # compare sets these per run: given again, they would win
+    for method, flags in per_method.items():
+        refuse_run_flags(flags, f"method_args for {method!r}")
     if args.family is not None:  # an RL family: its own train command and settings, no model to start from
         from polyrl.families import discover, family_module
 
@@ -333,15 +365,24 @@ def cmd_compare(args: argparse.Namespace) -> int:
     else:
         shared, model = ["--task", args.task or "addition", *args.extra], args.model
         if model is None:
-            from polyrl.tinylm import warmstart
+            from polyrl.tinylm import check_warmstart, warmstart
 
+            check_warmstart(args.task or "addition")  # a known task that has a warm start: one line otherwise
             model = warmstart(args.task or "addition", cache_dir() / "warmstart", seed=0).path
         flags = OneLineParser(prog="polyrl train", add_help=False)
         flags.raising = True
         add_train_args(flags)
         command, resumable, check = ("train",), True, check_train_flags(flags.parse_args, model)
     validate_runs(methods, shared, per_method, presets, check=check)
-    return _run_compare(args, methods, presets, shared, per_method, model, command, resumable)
+    try:
+        return _run_compare(args, methods, presets, shared, per_method, model, command, resumable)
+    except ValueError:  # the analysis found no run to analyse: every run failed before it logged a step
+        from polyrl.lab.analysis import load_runs
+
+        if load_runs(Path(args.out)):
+            raise
+        raise TrainingError(f"no run under {args.out} logged a step (every run failed): see its "
+                            "METHOD/seedK.train.log files") from None
 
 
 def _run_compare(args, methods, presets, shared, per_method, model, command, resumable) -> int:
@@ -497,6 +538,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     except TrainingError as e:  # the run itself failed, not its configuration
         print(f"polyrl: training stopped: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # Ctrl-C: one line saying how to go on (checkpoints are written atomically)
+        how = ""
+        run_dir = getattr(args, "resolved_run_dir", None)  # set by cmd_train once the run directory is known
+        if args.command == "compare":
+            how = "; run the same command again to resume (finished runs are kept, interrupted ones resumed)"
+        elif args.command == "train" and run_dir is not None and Path(run_dir).is_dir():
+            from polyrl.checkpoint import latest_checkpoint
+
+            how = (f"; continue with --resume --run-dir {run_dir}" if latest_checkpoint(run_dir) is not None else
+                   f" before the first checkpoint of {run_dir}; start again with --overwrite --run-dir {run_dir}")
+        print(f"polyrl: interrupted{how}", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ from typing import Any, Literal, NamedTuple
 
 from polyrl.distill import DistillConfig
 from polyrl.drift import DriftConfig
+from polyrl.errors import ConfigError  # re-exported: `from polyrl.config import ConfigError` keeps working
 from polyrl.guard import GuardConfig
 from polyrl.launch import ScaleConfig
 from polyrl.learner.config import CriticConfig, LoraConfig, SpeedConfig
@@ -43,10 +44,6 @@ from polyrl.rollout.preference_data import PreferenceConfig
 from polyrl.rollout.source import PrefetchConfig
 from polyrl.rollout.tree.config import TreeConfig
 from polyrl.tasks.config import DataConfig
-
-
-class ConfigError(ValueError):
-    """A configuration value that cannot be used; one line naming field, value and what is allowed."""
 
 
 @dataclass
@@ -210,12 +207,23 @@ def load_toml(path: str | os.PathLike, cls: type = TrainConfig) -> dict[str, Any
     ``--tree-roots``); ``[guard]`` ``enabled = true`` is ``guard``. An unknown key anywhere is an error.
     """
     p = Path(path)
+    named = f"config = {str(p)!r}"
+    if p.is_dir():
+        raise ConfigError(f"{named}: is a directory; allowed: a TOML file")
+    if not p.exists():
+        raise ConfigError(f"{named}: config file does not exist")
     if not p.is_file():
-        raise ConfigError(f"config file {str(p)!r} does not exist")
+        raise ConfigError(f"{named}: is not a regular file; allowed: a TOML file")
     try:
-        data = tomllib.loads(p.read_text())
+        text = p.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{named}: is not UTF-8 text (byte {e.start}); allowed: a TOML file") from None
+    except OSError as e:
+        raise ConfigError(f"{named}: cannot be read ({e.strerror or e}); allowed: a readable TOML file") from None
+    try:
+        data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"config file {str(p)!r} is not valid TOML: {e}") from None
+        raise ConfigError(f"{named}: is not valid TOML: {e}") from None
     known = {s.name: s for s in settings(cls)}
     by_table = {}  # "tree.roots" -> tree_roots (the table may be the section's field name or its prefix)
     for f in fields(cls):

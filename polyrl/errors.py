@@ -7,6 +7,12 @@ and re-exported there.
 """
 
 
+class ConfigError(ValueError):
+    """A configuration value that cannot be used; one line naming field, value and what is allowed (exit code 2).
+    Defined here, not in ``polyrl.config``, so that light modules (``polyrl.model``) can raise it without importing
+    the configuration and its sub-configs; ``polyrl.config`` re-exports it."""
+
+
 class TrainingError(RuntimeError):
     """Training cannot go on (e.g. too many non-finite losses in a row); the message says why."""
 

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
+from polyrl.errors import ConfigError
 from polyrl.shared_prompt import distinct_prompts, shared_prompt_states
 
 DType = Literal["float32", "bfloat16", "float16", "float64"]
@@ -39,35 +40,81 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 MIN_AUTO_CHUNK = 32  # smallest automatic chunk (tokens); tinier matmuls waste more time than they save memory
 
 
-def load_policy(model_dir: str | Path, *, dtype: DType = "float32", threads: int | None = None):
+class ModelDirError(ConfigError, FileNotFoundError):
+    """A model directory, its config.json or its tokenizer is missing: a ``ConfigError`` (one line naming the setting
+    and the path) that callers catching ``FileNotFoundError`` still catch."""
+
+
+def load_error(model_dir: str | Path, error: BaseException, *, setting: str = "model") -> ConfigError:
+    """A ``ConfigError`` for a model directory a library could not load: one line naming the setting, the directory
+    and what is wrong (the first line of the library's own message)."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    what = lines[0] if lines else type(error).__name__
+    return ConfigError(f"{setting} = {str(model_dir)!r}: cannot be loaded ({type(error).__name__}: {what}); "
+                       "expected a Hugging Face model directory (config.json, weights, tokenizer)")
+
+
+def check_model_dir(model_dir: str | Path, *, setting: str = "model") -> Path:
+    """The directory as a Path; ``ModelDirError`` naming the setting and the path when it, its config.json or its
+    tokenizer is missing (checked before any library is asked to load it: transformers would take a missing path for
+    a Hub id and try to download it)."""
+    path = Path(model_dir)
+    named = f"{setting} = {str(path)!r}"
+    if not path.exists():
+        raise ModelDirError(f"{named}: model directory not found")
+    if not path.is_dir():
+        raise ModelDirError(f"{named}: is a file, not a model directory (a Hugging Face directory with config.json)")
+    if not (path / "config.json").is_file():
+        raise ModelDirError(f"{named}: no config.json in the model directory (not a Hugging Face model?)")
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        raise ModelDirError(f"{named}: no tokenizer in the model directory (expected {' or '.join(TOKENIZER_FILES)})")
+    return path
+
+
+def load_tokenizer(model_dir: str | Path, *, setting: str = "model"):
+    """``AutoTokenizer.from_pretrained`` on a local directory; a damaged tokenizer is a one-line ``ConfigError``."""
+    from transformers import AutoTokenizer
+
+    path = check_model_dir(model_dir, setting=setting)
+    try:
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except Exception as e:  # noqa: BLE001 (tokenizers raises bare Exception, JSON ValueError, OSError...)
+        raise load_error(model_dir, e, setting=setting) from e
+
+
+def load_model(model_dir: str | Path, *, dtype: str | torch.dtype = "auto", setting: str = "model") -> nn.Module:
+    """``AutoModelForCausalLM.from_pretrained`` on a local directory; a damaged config.json, missing or truncated
+    weights are a one-line ``ConfigError`` naming ``setting`` and the directory."""
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    path = check_model_dir(model_dir, setting=setting)
+    hf_logging.disable_progress_bar()  # a local load takes milliseconds; its bar would only clutter stderr
+    try:
+        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
+    except Exception as e:  # noqa: BLE001 (OSError, SafetensorError, ValueError, KeyError... from the libraries)
+        raise load_error(model_dir, e, setting=setting) from e
+
+
+def load_policy(model_dir: str | Path, *, dtype: DType = "float32", threads: int | None = None,
+                setting: str = "model"):
     """Load a causal LM and its tokenizer from a local directory (nothing is downloaded).
 
     Returns ``(model, tokenizer)``; the model is in eval mode. ``threads`` sets
     ``torch.set_num_threads`` for the process (default: the machine's CPU count).
-    Raises FileNotFoundError naming the path when the directory, its config.json or its tokenizer
-    is missing.
+    Raises ``ModelDirError`` (a ``ConfigError`` and a ``FileNotFoundError``) naming ``setting`` and the path when
+    the directory, its config.json or its tokenizer is missing, and ``ConfigError`` (one line naming ``setting``, the
+    directory and the library's complaint) when one of them cannot be loaded: a damaged config.json or tokenizer,
+    missing or truncated weights.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    path = Path(model_dir)
-    if not path.is_dir():
-        raise FileNotFoundError(f"model directory not found: {path}")
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"no config.json in model directory {path} (not a Hugging Face model?)")
-    if not any((path / name).is_file() for name in TOKENIZER_FILES):
-        raise FileNotFoundError(
-            f"no tokenizer in model directory {path} (expected {' or '.join(TOKENIZER_FILES)})"
-        )
+    path = check_model_dir(model_dir, setting=setting)
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     if threads is not None and threads < 1:
         raise ValueError(f"threads must be >= 1, got {threads}")
     torch.set_num_threads(threads if threads is not None else (os.cpu_count() or 1))
-    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()  # a local load takes milliseconds; its bar would only clutter stderr
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], local_files_only=True)
+    tokenizer = load_tokenizer(path, setting=setting)
+    model = load_model(path, dtype=DTYPES[dtype], setting=setting)
     model.eval()
     return model, tokenizer
 

@@ -12,7 +12,8 @@ from types import ModuleType
 def import_module_or_file(name: str) -> ModuleType:
     """Import a dotted module name, or execute a ``.py`` file as a module named after its stem.
 
-    Raises ImportError with a message naming what is missing (the caller adds its own context).
+    Raises ImportError with a message naming what is missing (the caller adds its own context), also for a module
+    that calls ``sys.exit`` while it loads.
     """
     if name.endswith(".py"):
         path = Path(name)
@@ -26,8 +27,18 @@ def import_module_or_file(name: str) -> ModuleType:
         sys.modules[path.stem] = module
         try:
             spec.loader.exec_module(module)
-        except BaseException:
+        except BaseException as e:
             del sys.modules[path.stem]  # a failed import leaves no half-built module behind
+            if isinstance(e, SystemExit):
+                raise _exited(name, e) from None
             raise
         return module
-    return importlib.import_module(name)
+    try:
+        return importlib.import_module(name)
+    except SystemExit as e:
+        raise _exited(name, e) from None
+
+
+def _exited(name: str, e: SystemExit) -> ImportError:
+    """A module that calls ``sys.exit`` while it loads would end the whole command silently: an import error instead."""
+    return ImportError(f"{name!r} called sys.exit({e.code!r}) while it was imported")

@@ -11,6 +11,7 @@ steps that the checkpoint does not: ``cut_logs`` drops them, so no step appears 
 from __future__ import annotations
 
 import json
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -30,15 +31,114 @@ RUN_CONTROL = ("resume", "resume_from", "overwrite", "run_dir")
 
 
 def saved_record(run_dir: str | Path) -> dict[str, Any] | None:
-    """The run's ``config.json`` ({"config", "method", "overrides"}), or None when it has none."""
+    """The run's ``config.json`` ({"config", "method", "overrides"}), or None when it has none.
+
+    A ``config.json`` that is not a run record (not an object with a "config" object: say a model's config written
+    over it) raises ConfigError naming the file: the run's settings are unknown, and defaults must not stand in.
+    """
     path = Path(run_dir) / CONFIG
     if not path.is_file():
         return None
     try:
-        return json.loads(path.read_text())
+        record = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"run_dir = {str(run_dir)!r}: {path} cannot be read ({e.__class__.__name__}); the run's "
+                          "settings are unknown, so it cannot be resumed") from None
     except ValueError as e:
         raise ConfigError(f"run_dir = {str(run_dir)!r}: {CONFIG} is not valid JSON ({e}); the run's settings are "
                           "unknown, so it cannot be resumed") from None
+    problem = _record_problem(record)
+    if problem:
+        raise ConfigError(f"run_dir = {str(run_dir)!r}: {path} is not a polyrl run record ({problem}); the run's "
+                          "settings are unknown: it cannot be resumed (an export needs --model DIR)")
+    return record
+
+
+def _record_problem(record: Any) -> str:
+    """Why ``record`` is not the shape ``write_record`` writes ("" when it is)."""
+    if not isinstance(record, dict):
+        return f"it holds a {type(record).__name__}, not an object"
+    if not isinstance(record.get("config"), dict):
+        return 'it has no "config" object' if "config" not in record else \
+            f'its "config" is a {type(record["config"]).__name__}, not an object'
+    if record.get("overrides") is not None and not isinstance(record["overrides"], dict):
+        return f'its "overrides" is a {type(record["overrides"]).__name__}, not an object'
+    return ""
+
+
+def run_contents(run_dir: str | Path) -> list[str]:
+    """What in ``run_dir`` shows that it holds a polyrl run: a run record ``config.json`` (an object with a "config"
+    object), ``metrics.jsonl`` of step rows, a ``summary.json`` object, ``checkpoints/`` with ``step_NNNNNN`` saves.
+    Empty when none (a model directory's config.json, for one, does not count)."""
+    run = Path(run_dir)
+    found = []
+    try:
+        if not _record_problem(json.loads((run / CONFIG).read_text())):
+            found.append(CONFIG)
+    except (OSError, ValueError):
+        pass
+    try:
+        with open(run / "metrics.jsonl") as f:
+            first = f.readline()
+        row = json.loads(first) if first.strip() else None
+        if isinstance(row, dict) and "step" in row:
+            found.append("metrics.jsonl")
+    except (OSError, ValueError):
+        pass
+    try:
+        if isinstance(json.loads((run / "summary.json").read_text()), dict):
+            found.append("summary.json")
+    except (OSError, ValueError):
+        pass
+    ckpts = run / "checkpoints"
+    if ckpts.is_dir() and any(p.is_dir() and re.fullmatch(r"(\.tmp_|\.old_|superseded_)?step_\d{6,}.*", p.name)
+                              for p in ckpts.iterdir()):
+        found.append("checkpoints/")
+    return found
+
+
+def clear_run_dir(run_dir: str | Path, *, inputs: dict[str, Any] | None = None) -> None:
+    """Delete ``run_dir`` for ``--overwrite``: only an empty directory or one that holds a polyrl run (``run_contents``)
+    is cleared; anything else (a directory of other files, a folder of several runs, a file, the current directory
+    or one above it, one holding a file this command reads: ``inputs``, setting name -> value, where a string value
+    may name paths, also as ``a,b`` or ``path:function``) is refused in one line naming run_dir and what it holds,
+    and nothing is deleted."""
+    import shutil
+
+    run = Path(run_dir)
+    if not run.exists() and not run.is_symlink():
+        return
+    if run.is_symlink() or not run.is_dir():
+        raise ConfigError(f"run_dir = {str(run_dir)!r} is {'a symlink' if run.is_symlink() else 'a file'}, not a run "
+                          "directory; --overwrite clears only a run directory: choose another --run-dir")
+    entries = sorted(p.name for p in run.iterdir())
+    if not entries:
+        return
+    here = Path.cwd().resolve()
+    if run.resolve() == here or run.resolve() in here.parents:
+        raise ConfigError(f"run_dir = {str(run_dir)!r} is the current directory or one above it; --overwrite "
+                          "will not delete it: choose another --run-dir")
+    root = run.resolve()
+    for name, value in (inputs or {}).items():
+        if name in RUN_CONTROL:
+            continue
+        pieces = [value, *str(value).split(",")] if isinstance(value, (str, Path)) else []
+        for piece in {q for p in pieces for q in (str(p).strip(), str(p).strip().rpartition(":")[0]) if q}:
+            where = Path(piece).expanduser()
+            if where.exists() and (where.resolve() == root or root in where.resolve().parents):
+                raise ConfigError(f"run_dir = {str(run_dir)!r} holds {name} = {str(value)!r}, which this run reads; "
+                                  "--overwrite will not delete it: move it out or choose another --run-dir")
+    held = run_contents(run)
+    nested = [p.name for p in run.iterdir() if p.is_dir() and p.name != "checkpoints" and run_contents(p)]
+    if held and not nested:
+        shutil.rmtree(run)
+        return
+    what = f"{len(entries)} entr{'y' if len(entries) == 1 else 'ies'} ({', '.join(entries[:4])}" + \
+        (", ...)" if len(entries) > 4 else ")")
+    why = f"other runs in {', '.join(nested[:3])}" if nested else "no polyrl run"
+    raise ConfigError(f"run_dir = {str(run_dir)!r} holds {what} and {why}; --overwrite clears only an empty "
+                      "directory or a single polyrl run (config.json with a \"config\" object, metrics.jsonl, "
+                      "summary.json, checkpoints/step_*): move those files or choose another --run-dir")
 
 
 def write_record(run_dir: str | Path, record: dict[str, Any]) -> None:
@@ -51,14 +151,15 @@ def write_record(run_dir: str | Path, record: dict[str, Any]) -> None:
 
 
 def start_run_dir(run_dir: str | Path, *, overwrite: bool) -> Path:
-    """A directory for a new run: one that already holds a run is refused unless ``overwrite`` (then cleared)."""
-    import shutil
-
+    """A directory for a new run: one that already holds a run is refused unless ``overwrite`` (then cleared, if
+    ``clear_run_dir`` finds a polyrl run or nothing in it; anything else is refused, never deleted)."""
     run = Path(run_dir)
-    if (run / "metrics.jsonl").exists() or (run / "summary.json").exists() or (run / CONFIG).exists():
-        if not overwrite:
-            raise ConfigError(f"run_dir = '{run}' already holds a run; pass --overwrite or another --run-dir")
-        shutil.rmtree(run)
+    if run.exists() and not run.is_dir():
+        raise ConfigError(f"run_dir = '{run}' is a file, not a directory; choose another --run-dir")
+    if overwrite:
+        clear_run_dir(run)
+    elif (run / "metrics.jsonl").exists() or (run / "summary.json").exists() or (run / CONFIG).exists():
+        raise ConfigError(f"run_dir = '{run}' already holds a run; pass --overwrite or another --run-dir")
     run.mkdir(parents=True, exist_ok=True)
     return run
 
@@ -97,7 +198,19 @@ def record_resume(run_dir: str | Path, step: int, checkpoint: str, changes: dict
     """Append one line to ``config_history.jsonl``: when, from which checkpoint, what changed."""
     line = {"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "resumed_at_step": step, "checkpoint": checkpoint,
             "changes": changes}
-    with open(Path(run_dir) / HISTORY, "a") as f:
+    path = Path(run_dir) / HISTORY
+    text = path.read_text() if path.is_file() else ""
+    if text and not text.endswith("\n"):  # a line cut short by a kill: never glue this one onto it
+        head, _, tail = text.rpartition("\n")
+        try:
+            json.loads(tail)
+            text += "\n"
+        except ValueError:
+            text = head + "\n" if head else ""
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(text)
+        tmp.replace(path)
+    with open(path, "a") as f:
         f.write(json.dumps(line, default=str) + "\n")
 
 
@@ -107,13 +220,40 @@ def effective_config(run_dir: str | Path) -> dict[str, Any] | None:
     record = saved_record(run_dir)
     if record is None:
         return None
-    config = dict(record.get("config", {}))
-    history = Path(run_dir) / HISTORY
-    if history.is_file():
-        for line in history.read_text().splitlines():
-            for name, (_, new) in json.loads(line).get("changes", {}).items():
-                config[name] = new
+    config = dict(record["config"])
+    for changes in _history_changes(run_dir):
+        config.update(changes)
     return config
+
+
+def _history_changes(run_dir: str | Path) -> list[dict[str, Any]]:
+    """Each resume's changes in ``config_history.jsonl`` as {name: new value}. A last line cut short by a kill is
+    skipped (that resume never started: it is appended before training); any other damage raises ConfigError
+    naming the file and line."""
+    path = Path(run_dir) / HISTORY
+    if not path.is_file():
+        return []
+    try:
+        lines = path.read_text().splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"run_dir = {str(run_dir)!r}: {path} cannot be read ({e.__class__.__name__}); the run's "
+                          "settings are unknown, so it cannot be resumed") from None
+    numbered = [(n, line) for n, line in enumerate(lines, 1) if line.strip()]
+    out = []
+    for n, line in numbered:
+        try:
+            row = json.loads(line)
+        except ValueError:
+            if n == numbered[-1][0]:  # cut short by a kill while it was appended
+                continue
+            raise ConfigError(f"run_dir = {str(run_dir)!r}: {path} line {n} is not valid JSON; allowed: one object "
+                              "per line as written by a resume (fix or remove that line)") from None
+        changes = row.get("changes", {}) if isinstance(row, dict) else None
+        if not isinstance(changes, dict) or not all(isinstance(v, list) and len(v) == 2 for v in changes.values()):
+            raise ConfigError(f"run_dir = {str(run_dir)!r}: {path} line {n} is not a resume record; allowed: an "
+                              'object whose "changes" maps a setting to [old, new] (fix or remove that line)')
+        out.append({name: new for name, (_, new) in changes.items()})
+    return out
 
 
 def cut_logs(run_dir: str | Path, step: int) -> int:

@@ -15,7 +15,9 @@ seed and training settings, so the second call returns the directory at once.
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -120,6 +122,28 @@ def _build(charset: str, hidden: int, layers: int, heads: int, intermediate: int
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.eval()
     return model, tokenizer
+
+
+def check_warmstart(task: str, *, threshold: float = 0.30, seed: int = 0, hidden: int = 128, layers: int = 4,
+                    heads: int = 4) -> None:
+    """Refuse, in one line (``ConfigError``), settings that ``warmstart`` cannot build or train, before any work."""
+    from polyrl.config import ConfigError
+    from polyrl.tasks import TASKS
+
+    if task not in TASKS:
+        raise ConfigError(f"task = {task!r} is not allowed; known tasks: {', '.join(sorted(TASKS))}")
+    if "data_file" in inspect.signature(TASKS[task]).parameters:
+        raise ConfigError(f"task = {task!r} has no warm start (it reads its rows from --data-file): pass --model DIR, "
+                          "a local Hugging Face model directory")
+    if not (math.isfinite(threshold) and 0.0 <= threshold <= 1.0):
+        raise ConfigError(f"threshold = {threshold} is not allowed: a held-out accuracy in [0, 1]")
+    if not 0 <= seed < 2**32:
+        raise ConfigError(f"seed = {seed} is not allowed: an integer in [0, 2**32)")
+    if hidden < 1 or hidden % (2 * heads):
+        raise ConfigError(f"hidden = {hidden} is not allowed: a positive multiple of {2 * heads} ({heads} attention "
+                          "heads of an even size, as rotary position embeddings need)")
+    if layers < 1:
+        raise ConfigError(f"layers = {layers} is not allowed: an integer >= 1")
 
 
 class WarmstartError(RuntimeError):

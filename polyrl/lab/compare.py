@@ -51,8 +51,44 @@ def parse_method_args(items: list[str] | None, methods: list[str]) -> dict[str, 
         name, eq, rest = item.partition("=")
         if not eq or name.strip() not in methods:
             raise ConfigError(f"method_args = {item!r}: write METHOD=FLAGS with METHOD one of {', '.join(methods)}")
-        out.setdefault(name.strip(), []).extend(shlex.split(rest))
+        try:
+            flags = shlex.split(rest)
+        except ValueError as e:  # an unbalanced quote
+            raise ConfigError(f"method_args = {item!r}: {e} (quote a value as in a shell: 'dapo=--lr 5e-5')") from None
+        out.setdefault(name.strip(), []).extend(flags)
     return out
+
+
+# Train flags that compare sets for every run itself; given again, the later one would win (a --run-dir outside OUT,
+# wiped by the run's --overwrite; every seed the same seed): refused, with what to use instead.
+RUN_FLAGS = {
+    "--method": "each run's preset comes from --methods (LABEL=PRESET names a variant)",
+    "--seed": "the runs use seeds 0 .. N-1 of --seeds N",
+    "--run-dir": "each run's directory is OUT/METHOD/seedK of --out",
+    "--resume": "a rerun of the same compare command resumes its interrupted runs itself",
+    "--resume-from": "a rerun of the same compare command resumes its interrupted runs itself",
+    "--overwrite": "compare restarts unfinished runs itself; delete OUT/METHOD/seedK to rerun a finished one",
+    "--model": "compare's own --model starts every run",
+    "--task": "compare's own --task applies to every run",
+}
+
+
+def refuse_run_flags(flags: list[str], where: str) -> None:
+    """Raise ConfigError naming the first of ``flags`` that compare sets per run (``RUN_FLAGS``), or an abbreviation
+    of one (the train parser would expand it, or refuse it as ambiguous); ``where`` names the setting they came from.
+    """
+    for i, token in enumerate(flags):
+        if token == "--":
+            return
+        name, eq, _ = token.partition("=")
+        if not name.startswith("--") or len(name) < 3:
+            continue
+        hits = [f for f in RUN_FLAGS if f == name] or [f for f in RUN_FLAGS if f.startswith(name)]
+        if not hits:
+            continue
+        given = token if eq or i + 1 == len(flags) or flags[i + 1].startswith("-") else f"{token} {flags[i + 1]}"
+        meant = "" if hits == [name] else f" ({' or '.join(hits)})"
+        raise ConfigError(f"{where}: {given!r}{meant} is not allowed in compare: {RUN_FLAGS[hits[0]]}")
 
 
 def plan_runs(methods: list[str], seeds: list[int], out: Path, shared: list[str],

@@ -36,7 +36,16 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from polyrl.checkpoint import FORMAT, CheckpointError, _sha256, rng_state, set_rng_state, verify_checkpoint
+from polyrl.checkpoint import (
+    FORMAT,
+    CheckpointError,
+    _sha256,
+    prune_checkpoints,
+    replace_dir,
+    rng_state,
+    set_rng_state,
+    verify_checkpoint,
+)
 from polyrl.learner import dist as pdist
 
 LAYOUT = "dcp"
@@ -96,12 +105,8 @@ def save_sharded(run_dir: str | Path, step: int, *, models: dict[str, nn.Module]
         meta = {"format": FORMAT, "layout": LAYOUT, "step": step, "world_size": world,
                 "files": {f: _sha256(tmp / f) for f in files}}
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        if keep_last > 0:
-            for old in sorted(p for p in root.glob("step_*") if p.is_dir())[:-keep_last]:
-                shutil.rmtree(old, ignore_errors=True)
+        replace_dir(tmp, final)  # an existing copy of this step is kept until the new one is in place
+        prune_checkpoints(run_dir, step, keep_last)  # step_NNNNNN only: a backup copy is never pruned
     pdist.barrier()
     return final
 
@@ -188,31 +193,132 @@ def load_unsharded(path: str | Path, *, models: dict[str, nn.Module], optimizers
     return _restore(blob, scheduler, restore_rng)
 
 
+EXPORT_MARKER = "polyrl_export.json"  # written into every export: only a directory holding it may be overwritten
+
+
+def _inside(path: Path, root: Path) -> bool:
+    return path == root or root in path.parents
+
+
+def _holds_checkpoints(path: Path) -> bool:
+    """Whether ``path`` is a run's ``checkpoints/`` directory: it holds a ``step_*`` with a meta.json."""
+    return path.name == "checkpoints" and any(path.glob("step_*/meta.json"))
+
+
+def _is_run_dir(path: Path) -> bool:
+    """A polyrl run directory: its run record, its logs or its checkpoints."""
+    logs = ("metrics.jsonl", "summary.json")
+    if _holds_checkpoints(path / "checkpoints") or any((path / f).is_file() for f in logs):
+        return True
+    try:  # polyrl's run record (runs.write_record); a model's config.json has no "config" object
+        record = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(record, dict) and isinstance(record.get("config"), dict)
+
+
+def check_export_destination(checkpoint_dir: str | Path, out_dir: str | Path) -> Path:
+    """The absolute destination of an export, or a one-line ``ConfigError`` naming ``out``: refused are a file, a
+    path inside the checkpoint (or holding it), inside the checkpoint's run directory, a polyrl run directory, a
+    checkpoint directory and any other non-empty directory that is not a previous export (``EXPORT_MARKER``). A new
+    or empty directory, or a previous export, is allowed."""
+    from polyrl.errors import ConfigError
+
+    out = Path(os.path.abspath(out_dir))
+    if out.is_symlink():
+        out = out.resolve()
+    named = f"out = {str(out_dir)!r}"
+    checkpoint = Path(checkpoint_dir).resolve()
+    allowed = "allowed: a new or empty directory, or a previous export (one holding " + EXPORT_MARKER + ")"
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"{named}: is an existing file, not a directory; {allowed}")
+    real = out.resolve()
+    if _inside(real, checkpoint):
+        raise ConfigError(f"{named}: is the checkpoint being exported or inside it ({checkpoint}); {allowed} outside "
+                          "the run directory")
+    run = checkpoint.parent.parent if checkpoint.parent.name == "checkpoints" else None
+    if run is not None and _inside(real, run):
+        where = "is the run directory" if real == run else f"is inside the run directory {str(run)!r}"
+        raise ConfigError(f"{named}: {where} of the checkpoint being exported (its files would be overwritten); "
+                          f"{allowed} outside it")
+    if _inside(checkpoint, real):
+        raise ConfigError(f"{named}: holds the checkpoint being exported ({checkpoint}); {allowed}")
+    if (real / "meta.json").is_file() or any(_holds_checkpoints(p) for p in (real, *real.parents)):
+        raise ConfigError(f"{named}: is a polyrl checkpoint directory, or in a run's checkpoints/; {allowed}")
+    if real.is_dir() and _is_run_dir(real):
+        raise ConfigError(f"{named}: is a polyrl run directory; {allowed}")
+    if real.is_dir() and any(real.iterdir()) and not (real / EXPORT_MARKER).is_file():
+        raise ConfigError(f"{named}: is a non-empty directory that is not a previous polyrl export (no "
+                          f"{EXPORT_MARKER}); {allowed}, or remove it first")
+    return real
+
+
 def export_hf(checkpoint_dir: str | Path, out_dir: str | Path, model_dir: str | Path) -> Path:
     """Write the policy of a checkpoint (either layout, or a LoRA adapter: merged) as a plain Hugging Face directory
     loadable with ``from_pretrained``: config, generation config and tokenizer from ``model_dir``, weights from the
-    checkpoint.
-    Needs no process group (call it on one rank)."""
-    from safetensors.torch import load_model
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    checkpoint, and ``EXPORT_MARKER`` (what was exported). Needs no process group (call it on one rank).
 
+    ``out_dir`` must be new, empty or a previous export (``check_export_destination``; a run or checkpoint directory
+    is never written). The export is written into a temporary sibling and renamed into place, so a failed export
+    leaves ``out_dir`` as it was. A missing or damaged ``model_dir`` is a one-line ``ConfigError`` naming ``model``.
+    """
+    import tempfile
+
+    from safetensors.torch import load_model as load_weights
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from polyrl.errors import ConfigError
     from polyrl.learner.lora import ADAPTER_DIR, merged_model
+    from polyrl.model import check_model_dir, load_error, load_model, load_tokenizer
 
-    checkpoint_dir, out = Path(checkpoint_dir), Path(out_dir)
+    checkpoint_dir = Path(checkpoint_dir)
     verify_checkpoint(checkpoint_dir)
+    out = check_export_destination(checkpoint_dir, out_dir)
+    check_model_dir(model_dir)
+    tokenizer = load_tokenizer(model_dir)
     if (checkpoint_dir / ADAPTER_DIR).is_dir():  # LoRA: the base with the adapter merged into its weights
-        model = merged_model(model_dir, checkpoint_dir / ADAPTER_DIR)
-    elif is_sharded(checkpoint_dir):
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype="auto", local_files_only=True)
-        sd = {"model": model.state_dict()}
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)
-            dcp.load(sd, checkpoint_id=checkpoint_dir / SHARDS, no_dist=True)
-        model.load_state_dict(sd["model"])
+        try:
+            model = merged_model(model_dir, checkpoint_dir / ADAPTER_DIR)
+        except Exception as e:  # noqa: BLE001 (a damaged base or one the adapter does not fit)
+            raise load_error(model_dir, e) from e
     else:
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype="auto", local_files_only=True)
-        load_model(model, str(checkpoint_dir / "model.safetensors"))
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out)
-    AutoTokenizer.from_pretrained(model_dir, local_files_only=True).save_pretrained(out)
+        model = load_model(model_dir, dtype="auto")
+        try:
+            if is_sharded(checkpoint_dir):
+                sd = {"model": model.state_dict()}
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", UserWarning)
+                    dcp.load(sd, checkpoint_id=checkpoint_dir / SHARDS, no_dist=True)
+                model.load_state_dict(sd["model"])
+            else:
+                load_weights(model, str(checkpoint_dir / "model.safetensors"))
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 (shapes or names of another architecture)
+            first = next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)
+            raise ConfigError(f"model = {str(model_dir)!r}: does not fit checkpoint {str(checkpoint_dir)!r} "
+                              f"({first}); pass the model the run trained (--model DIR)") from e
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.export-", dir=out.parent))
+    except OSError as e:
+        raise ConfigError(f"out = {str(out_dir)!r}: cannot create a directory there ({e})") from None
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / EXPORT_MARKER).write_text(json.dumps(
+            {"checkpoint": str(checkpoint_dir.resolve()), "model": str(Path(model_dir).resolve())}, indent=2))
+        check_export_destination(checkpoint_dir, out)  # unchanged while the model was being written
+        if out.is_dir() and (out / EXPORT_MARKER).is_file():  # a previous export: swapped out, then removed
+            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+            os.replace(out, old / out.name)
+            os.replace(tmp, out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            if out.is_dir():
+                out.rmdir()  # empty (checked)
+            os.replace(tmp, out)
+    except OSError as e:
+        raise ConfigError(f"out = {str(out_dir)!r}: cannot write the export ({e})") from None
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
     return out

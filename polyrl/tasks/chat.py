@@ -183,9 +183,9 @@ def check_prompt_format(chat_template: str, system_prompt: str | None, model_dir
     cannot render the task's first prompt. No model (a warm start's character tokenizer) has no template."""
     tokenizer = None
     if model_dir is not None and chat_template != PLAIN:
-        from transformers import AutoTokenizer
+        from polyrl.model import load_tokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+        tokenizer = load_tokenizer(model_dir)  # a damaged tokenizer is a one-line ConfigError naming the model
     model = f"model {model_dir!r}" if model_dir is not None else "the warm start"
     if tokenizer is None:
         template = resolve_template(chat_template, None, system_prompt, model=model)

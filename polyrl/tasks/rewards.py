@@ -7,8 +7,8 @@ completion of its group); ``kwargs`` carries ``answers`` (the reference answers,
 The special name ``task`` is the task's own checker. ``RewardChannels`` sums the channels with their
 weights and keeps every channel's value for estimators that normalise channels separately (GDPO).
 
-A reward that is not a finite number, a list of the wrong length, or an exception inside a reward
-function raises ``RewardError``: one line naming the function and the completion and prompt, with
+A reward that is not a finite number, a list of the wrong length, or an exception (or ``sys.exit``) inside a
+reward function raises ``RewardError``: one line naming the function and the completion and prompt, with
 the function's traceback kept for the run's log. Held-out accuracy never uses these channels: it is
 the task's own ``reward`` (its verifier).
 """
@@ -35,7 +35,7 @@ def load_callable(spec: str) -> RewardFn:
         raise ValueError(f"reward function {spec!r}: write it as package.module:function or path/file.py:function")
     try:
         module = import_module_or_file(module_name)
-    except Exception as e:  # a missing module, a syntax error or a module that raises while it loads
+    except (Exception, SystemExit) as e:  # a missing module, a syntax error, a module that raises or exits as it loads
         raise ValueError(f"reward function {spec!r}: cannot import {module_name!r} ({type(e).__name__}: "
                          f"{str(e).splitlines()[0] if str(e) else ''})") from None
     fn = getattr(module, attr, None)
@@ -98,8 +98,9 @@ class RewardChannels:
             else:
                 out = fn(prompts=[p.text for p in prompts], completions=list(completions),
                          answers=[p.answer for p in prompts])
-        except Exception as e:  # a user's function failed: one line here, its traceback in the run's log
-            raise error(f"raised {type(e).__name__}: {e}", trace=traceback.format_exc()) from None
+        except (Exception, SystemExit) as e:  # a user's function failed: one line here, its traceback in the run's log
+            problem = f"called sys.exit({e.code!r})" if isinstance(e, SystemExit) else f"raised {type(e).__name__}: {e}"
+            raise error(problem, trace=traceback.format_exc()) from None
         try:
             values = list(out)
         except TypeError:

@@ -94,6 +94,7 @@ def rl_tune(model_dir: Path, run_dir: Path, task: NeutralStyleTask, *, steps: in
     """GRPO on the neutrality reward with polyrl's trainer; returns the exported tuned model directory."""
     from rich.console import Console
 
+    from polyrl.checkpoint import latest_checkpoint
     from polyrl.config import build_config
     from polyrl.learner.sharded import export_hf
     from polyrl.methods import get_method
@@ -104,7 +105,7 @@ def rl_tune(model_dir: Path, run_dir: Path, task: NeutralStyleTask, *, steps: in
                             threads=torch.get_num_threads(), train_prompts=2000, overwrite=True, seed=seed))
     train(cfg, get_method("grpo"), model_dir=str(model_dir), task=task, run_dir=str(run_dir),
           console=Console(file=io.StringIO()))
-    checkpoint = sorted((run_dir / "checkpoints").glob("step_*"))[-1]
+    checkpoint = latest_checkpoint(run_dir)
     return export_hf(checkpoint, run_dir.parent / "tuned", model_dir)
 
 

@@ -1,0 +1,266 @@
+"""Bad `compare`, `warmstart` and `train` input, reward functions and plugins that exit, and Ctrl-C: one line each.
+
+Every refusal here comes before any training: the tests stub out the training runs so that a regression fails fast.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from polyrl.cli import main
+from polyrl.errors import RewardError
+from polyrl.tasks import get_task
+from polyrl.tasks.rewards import RewardChannels, load_callable
+
+
+@pytest.fixture(autouse=True)
+def _scratch_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("POLYRL_CACHE", str(tmp_path / "cache"))
+
+
+@pytest.fixture
+def no_runs(monkeypatch):
+    """`compare` must refuse before its first run: starting one fails the test."""
+
+    def run_all(*a, **k):
+        raise AssertionError("compare started its runs")
+
+    monkeypatch.setattr("polyrl.lab.compare.run_all", run_all)
+
+
+@pytest.fixture
+def no_training(monkeypatch):
+    def train(*a, **k):
+        raise AssertionError("train started training")
+
+    monkeypatch.setattr("polyrl.trainer.train", train)
+    monkeypatch.setattr("polyrl.tinylm._train", train)
+
+
+def one_line_error(capsys, *names: str) -> str:
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "Traceback" not in err, err
+    assert err.startswith("polyrl: "), err
+    for name in names:
+        assert name in err, err
+    return err
+
+
+def compare(tmp_path, *argv: str) -> list[str]:
+    return ["compare", "--methods", "grpo", "--seeds", "1", "--out", str(tmp_path / "c"), "--steps", "2", *argv]
+
+
+# 1. compare sets --run-dir, --seed, --method, --resume / --overwrite (and --model, --task) for every run itself
+
+
+@pytest.mark.parametrize("extra, flag", [
+    (["--run-dir", "PRECIOUS"], "--run-dir"),
+    (["--run-dir=PRECIOUS"], "--run-dir"),
+    (["--run-d", "PRECIOUS"], "--run-dir"),
+    (["--overwrite"], "--overwrite"),
+    (["--resume"], "--resume"),
+    (["--resume-from", "PRECIOUS/checkpoints/step_000001"], "--resume-from"),
+])
+def test_compare_refuses_a_shared_flag_it_sets_per_run(tmp_path, capsys, no_runs, tiny_model, extra, flag):
+    precious = tmp_path / "precious"
+    precious.mkdir()
+    (precious / "keep.txt").write_text("data")
+    extra = [e.replace("PRECIOUS", str(precious)) for e in extra]
+    assert main(compare(tmp_path, "--model", tiny_model, *extra)) == 2
+    one_line_error(capsys, flag, "compare")
+    assert [p.name for p in precious.iterdir()] == ["keep.txt"] and not (tmp_path / "c").exists()
+
+
+@pytest.mark.parametrize("method_args, flag", [
+    ("grpo=--run-dir PRECIOUS", "--run-dir"),
+    ("grpo=--seed 3", "--seed"),
+    ("grpo=--method dapo", "--method"),
+    ("grpo=--overwrite", "--overwrite"),
+    ("grpo=--lr 1e-4 --resume", "--resume"),
+    ("grpo=--task countdown", "--task"),
+    ("grpo=--model MODEL", "--model"),
+])
+def test_compare_refuses_a_method_flag_it_sets_per_run(tmp_path, capsys, no_runs, tiny_model, method_args, flag):
+    method_args = method_args.replace("PRECIOUS", str(tmp_path / "precious")).replace("MODEL", tiny_model)
+    assert main(compare(tmp_path, "--model", tiny_model, "--method-args", method_args)) == 2
+    one_line_error(capsys, flag, "method_args")
+    assert not (tmp_path / "precious").exists()
+
+
+def test_compare_with_no_finished_run_says_so_in_one_line(tmp_path, capsys, monkeypatch, tiny_model):
+    monkeypatch.setattr("polyrl.lab.compare.run_all", lambda specs, **k: [(s, 1, 0.0) for s in specs])
+    assert main(compare(tmp_path, "--model", tiny_model)) == 1
+    one_line_error(capsys, "no run", "train.log")
+
+
+# 2. the analysis settings are checked before the first run
+
+
+@pytest.mark.parametrize("flag, value", [
+    ("--ci", "5"), ("--ci", "0"), ("--ci", "1"), ("--ci", "nan"),
+    ("--collapse-drop", "0"), ("--collapse-drop", "-3"), ("--collapse-drop", "1.5"), ("--collapse-drop", "nan"),
+    ("--threshold", "nan"), ("--threshold", "inf"),
+])
+def test_compare_checks_its_analysis_settings_before_any_run(tmp_path, capsys, no_runs, tiny_model, flag, value):
+    assert main(compare(tmp_path, "--model", tiny_model, flag, value)) == 2
+    one_line_error(capsys, flag.lstrip("-").replace("-", "_"), value)
+
+
+# 3. an unbalanced quote in --method-args
+
+
+def test_compare_method_args_with_an_unbalanced_quote(tmp_path, capsys, no_runs, tiny_model):
+    assert main(compare(tmp_path, "--model", tiny_model, "--method-args", "grpo=--lr '1")) == 2
+    one_line_error(capsys, "method_args", "No closing quotation")
+
+
+# 4. a reward function or a plugin that calls sys.exit
+
+
+def test_a_reward_function_that_exits_is_a_reward_error(tmp_path):
+    (tmp_path / "rf_exits.py").write_text("import sys\ndef exits(prompts, completions, **kw):\n    sys.exit(0)\n")
+    task = get_task("addition")
+    rewards = RewardChannels(task, [f"{tmp_path / 'rf_exits.py'}:exits"])
+    prompts = task.prompts("train", 2, 0)
+    with pytest.raises(RewardError, match=r"sys\.exit\(0\)"):
+        rewards(prompts, ["1", "2"])
+
+
+def test_a_reward_module_that_exits_on_import_is_refused(tmp_path):
+    (tmp_path / "rf_exit_import.py").write_text("import sys\nsys.exit(0)\ndef f(prompts, completions, **kw):\n"
+                                                "    return [0.0] * len(completions)\n")
+    with pytest.raises(ValueError, match=r"sys\.exit\(0\)"):
+        load_callable(f"{tmp_path / 'rf_exit_import.py'}:f")
+
+
+def test_a_plugin_that_exits_on_import_is_refused(tmp_path, capsys):
+    (tmp_path / "plugin_exits.py").write_text("import sys\nsys.exit(0)\n")
+    assert main(["--plugin", str(tmp_path / "plugin_exits.py"), "methods"]) == 2
+    one_line_error(capsys, "plugin_exits.py", "sys.exit(0)")
+
+
+def test_train_with_a_reward_module_that_exits_on_import(tmp_path, capsys, no_training, tiny_model):
+    (tmp_path / "rf_exit_train.py").write_text("import sys\nsys.exit(0)\n")
+    assert main(["train", "--model", tiny_model, "--run-dir", str(tmp_path / "r"),
+                 "--reward-funcs", f"{tmp_path / 'rf_exit_train.py'}:f"]) == 2
+    one_line_error(capsys, "rf_exit_train.py", "sys.exit(0)")
+
+
+# 5. a task read from --data-file has no warm start
+
+
+@pytest.fixture
+def math_file(tmp_path) -> str:
+    path = tmp_path / "good.jsonl"
+    path.write_text("".join(json.dumps({"question": f"What is {i} + 1?", "answer": str(i + 1)}) + "\n"
+                            for i in range(60)))
+    return str(path)
+
+
+def test_train_math_without_a_model_asks_for_one(tmp_path, capsys, no_training, math_file):
+    assert main(["train", "--task", "math", "--data-file", math_file, "--run-dir", str(tmp_path / "r")]) == 2
+    one_line_error(capsys, "task = 'math'", "--model")
+    assert not (tmp_path / "r").exists()
+
+
+def test_train_math_without_a_model_keeps_the_run_it_would_overwrite(tmp_path, capsys, no_training, math_file):
+    (tmp_path / "r").mkdir()
+    (tmp_path / "r" / "config.json").write_text("{}")
+    argv = ["train", "--task", "math", "--data-file", math_file, "--run-dir", str(tmp_path / "r"), "--overwrite"]
+    assert main(argv) == 2
+    one_line_error(capsys, "task = 'math'", "--model")
+    assert (tmp_path / "r" / "config.json").read_text() == "{}"
+
+
+def test_compare_math_without_a_model_asks_for_one(tmp_path, capsys, no_runs, math_file):
+    assert main(compare(tmp_path, "--task", "math", "--data-file", math_file)) == 2
+    one_line_error(capsys, "task = 'math'", "--model")
+
+
+def test_compare_with_an_unknown_task_is_refused_before_a_warm_start(tmp_path, capsys, no_runs, no_training):
+    assert main(compare(tmp_path, "--task", "nosuch")) == 2
+    one_line_error(capsys, "task = 'nosuch'", "addition")
+
+
+# 6. warmstart settings
+
+
+@pytest.mark.parametrize("argv, field", [
+    (["--task", "nosuch"], "task"),
+    (["--task", "math"], "task"),
+    (["--threshold", "2"], "threshold"),
+    (["--threshold", "-0.1"], "threshold"),
+    (["--threshold", "nan"], "threshold"),
+    (["--hidden", "0"], "hidden"),
+    (["--hidden", "-4"], "hidden"),
+    (["--hidden", "130"], "hidden"),
+    (["--hidden", "12"], "hidden"),  # 4 heads of 3: rotary embeddings need an even head size
+    (["--layers", "0"], "layers"),
+    (["--seed", "-1"], "seed"),
+])
+def test_warmstart_refuses_bad_settings(capsys, no_training, argv, field):
+    assert main(["warmstart", *argv]) == 2
+    one_line_error(capsys, f"{field} = ")
+
+
+def test_warmstart_that_does_not_reach_its_threshold_is_one_line(capsys, monkeypatch):
+    from polyrl.tinylm import WarmstartError
+
+    def fails(*a, **k):
+        raise WarmstartError("warm-start of 'addition' did not reach held-out greedy accuracy 1.00")
+
+    monkeypatch.setattr("polyrl.tinylm.warmstart", fails)
+    assert main(["warmstart", "--threshold", "1"]) == 1
+    one_line_error(capsys, "did not reach")
+
+
+# 7. --run-dir that is a file
+
+
+@pytest.mark.parametrize("sub", ["", "sub"])
+def test_train_run_dir_that_is_a_file(tmp_path, capsys, no_training, tiny_model, sub):
+    file = tmp_path / "a_file"
+    file.write_text("data")
+    run_dir = file / sub if sub else file
+    assert main(["train", "--model", tiny_model, "--run-dir", str(run_dir)]) == 2
+    one_line_error(capsys, "run_dir", str(file))
+    assert file.read_text() == "data"
+
+
+# 8. Ctrl-C
+
+
+@pytest.mark.parametrize("checkpoint", [False, True])
+def test_train_interrupted_is_one_line_and_exit_130(tmp_path, capsys, monkeypatch, tiny_model, checkpoint):
+    run_dir = tmp_path / "r"
+
+    def interrupted(*a, **k):
+        if checkpoint:
+            (run_dir / "checkpoints" / "step_000001").mkdir(parents=True)
+            (run_dir / "checkpoints" / "step_000001" / "meta.json").write_text("{}")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("polyrl.trainer.train", interrupted)
+    try:
+        code = main(["train", "--model", tiny_model, "--run-dir", str(run_dir)])
+    except KeyboardInterrupt:
+        pytest.fail("KeyboardInterrupt escaped main")
+    assert code == 130
+    err = one_line_error(capsys, "interrupted", str(run_dir))
+    assert ("--resume" in err) == checkpoint and ("--overwrite" in err) != checkpoint
+    assert (run_dir / "config.json").is_file()  # nothing of the run is removed
+
+
+def test_compare_interrupted_says_how_to_go_on(tmp_path, capsys, monkeypatch, tiny_model):
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("polyrl.lab.compare.run_all", interrupted)
+    try:
+        code = main(compare(tmp_path, "--model", tiny_model))
+    except KeyboardInterrupt:
+        pytest.fail("KeyboardInterrupt escaped main")
+    assert code == 130
+    one_line_error(capsys, "interrupted", "run the same command again")

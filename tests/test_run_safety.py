@@ -1,0 +1,258 @@
+"""Run directories and checkpoints are never lost or corrupted: ``--overwrite`` clears only a polyrl run, a resume
+reads only this run's own ``step_NNNNNN`` checkpoints, a re-saved step keeps the old copy until the new one is in
+place, and damaged run-record files are refused in one line naming the file."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from polyrl.checkpoint import (
+    CheckpointError,
+    latest_checkpoint,
+    list_checkpoints,
+    remove_partial_saves,
+    resume_checkpoint,
+    save_checkpoint,
+    set_aside_newer,
+)
+from polyrl.cli import main
+from polyrl.config import ConfigError
+from polyrl.runs import clear_run_dir, effective_config, record_resume, start_run_dir
+
+
+def _small(model, run):
+    return ["train", "--model", model, "--prompts-per-step", "2", "--group-size", "2", "--eval-prompts", "4",
+            "--max-new-tokens", "4", "--run-dir", str(run), "--no-tensorboard", "--threads", "1", "--log-every", "0",
+            "--eval-every", "0"]
+
+
+def _cli(args, capsys):
+    code = main([str(a) for a in args])
+    return code, capsys.readouterr().err.strip()
+
+
+def _one_line(code, err, *fragments):
+    assert code == 2 and len(err.splitlines()) == 1, (code, err)
+    assert "Traceback" not in err
+    for f in fragments:
+        assert f in err, err
+
+
+def _save(run, step, value, **kw):
+    model = torch.nn.Linear(2, 2)
+    with torch.no_grad():
+        model.weight.fill_(value)
+    return save_checkpoint(run, step, model=model, **kw)
+
+
+def _weight(ck):
+    from safetensors.torch import load_file
+
+    return float(load_file(str(Path(ck) / "model.safetensors"))["weight"][0, 0])
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_model, tmp_path_factory):
+    """One finished 2-step run with a checkpoint at each step; tests work on copies of it."""
+    run = tmp_path_factory.mktemp("trained") / "run"
+    assert main(_small(tiny_model, run) + ["--steps", "2", "--checkpoint-every", "1"]) == 0
+    return run
+
+
+@pytest.fixture
+def run(trained, tmp_path):
+    copy = tmp_path / "run"
+    shutil.copytree(trained, copy)
+    return copy
+
+
+# ---- 1. --overwrite deletes only a polyrl run ----------------------------------------------------------------
+def test_overwrite_refuses_a_directory_that_is_not_a_run(tiny_model, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    precious = tmp_path / "precious"
+    precious.mkdir()
+    (precious / "notes.txt").write_text("important")
+    code, err = _cli([*_small(tiny_model, "precious"), "--steps", "1", "--overwrite"], capsys)
+    _one_line(code, err, "run_dir = 'precious'", "notes.txt", "no polyrl run", "--overwrite clears only")
+    assert (precious / "notes.txt").read_text() == "important"
+
+
+def test_clear_run_dir_clears_a_run_or_nothing_and_refuses_the_rest(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    clear_run_dir(empty)  # an empty directory: nothing to lose
+    clear_run_dir(tmp_path / "missing")
+    hf = tmp_path / "model"  # a model directory: its config.json is not a run record
+    hf.mkdir()
+    (hf / "config.json").write_text('{"model_type": "llama"}')
+    (hf / "model.safetensors").write_bytes(b"x")
+    runs = tmp_path / "runs"  # a folder of runs is not one run
+    (runs / "a").mkdir(parents=True)
+    (runs / "a" / "config.json").write_text('{"config": {}}')
+    (runs / "summary.json").write_text("{}")
+    afile = tmp_path / "file"
+    afile.write_text("x")
+    for path, fragment in ((hf, "config.json, model.safetensors) and no polyrl run"),
+                           (runs, "other runs in a"), (afile, "is a file"), (Path("."), "current directory")):
+        with pytest.raises(ConfigError, match="^run_dir = ") as e:
+            clear_run_dir(path)
+        assert fragment in str(e.value) and "\n" not in str(e.value), str(e.value)
+    assert (hf / "model.safetensors").exists() and (runs / "a" / "config.json").exists() and afile.exists()
+    with pytest.raises(ConfigError, match="no polyrl run"):  # the families' run directories too
+        start_run_dir(hf, overwrite=True)
+    one = tmp_path / "one"  # a polyrl run (here only a checkpoint and its metrics) is cleared
+    _save(one, 1, 0.0)
+    (one / "metrics.jsonl").write_text('{"step": 0, "eval/accuracy": 0.5}\n')
+    assert start_run_dir(one, overwrite=True) == one and list(one.iterdir()) == []
+
+
+def test_overwrite_still_clears_a_run(run, tiny_model, capsys):
+    (run / "checkpoints" / "step_000002" / "stale.txt").write_text("x")
+    code, err = _cli([*_small(tiny_model, run), "--steps", "1", "--overwrite"], capsys)
+    assert code == 0, err
+    assert [p.name for p in list_checkpoints(run)] == ["step_000001"]
+
+
+def test_overwrite_never_deletes_a_file_the_run_reads(run, tiny_model, tmp_path, capsys):
+    inside = run / "model"
+    shutil.copytree(tiny_model, inside)  # say, a model exported into the old run's directory
+    code, err = _cli([*_small(inside, run), "--steps", "1", "--overwrite"], capsys)
+    _one_line(code, err, f"run_dir = '{run}' holds model = '{inside}', which this run reads")
+    assert inside.is_dir() and (run / "checkpoints" / "step_000002").is_dir()
+    (tmp_path / "rw.py").write_text("def f(prompts, completions, **kw):\n    return [0.0] * len(completions)\n")
+    shutil.move(tmp_path / "rw.py", run / "rw.py")
+    with pytest.raises(ConfigError, match="holds reward_funcs = "):
+        clear_run_dir(run, inputs={"run_dir": str(run), "reward_funcs": f"task,{run / 'rw.py'}:f"})
+
+
+# ---- 2. a resume reads only this run's checkpoints; a re-saved step is swapped, not deleted first -------------
+def test_resume_from_another_runs_checkpoint_is_refused(run, trained, tmp_path, capsys):
+    other = tmp_path / "other"
+    _save(other, 2, 7.0)
+    own = (run / "checkpoints" / "step_000002" / "model.safetensors").read_bytes()
+    foreign = other / "checkpoints" / "step_000002"
+    code, err = _cli(["train", "--run-dir", run, "--resume-from", foreign, "--steps", "3"], capsys)
+    _one_line(code, err, f"resume_from = '{foreign}' is not a checkpoint of run_dir = '{run}'", "polyrl export")
+    assert (run / "checkpoints" / "step_000002" / "model.safetensors").read_bytes() == own
+    with pytest.raises(CheckpointError, match="is not a checkpoint of run_dir"):  # a copy beside them is not either
+        shutil.copytree(run / "checkpoints" / "step_000001", run / "checkpoints" / "step_000001.bak")
+        resume_checkpoint(run, run / "checkpoints" / "step_000001.bak")
+    path, meta = resume_checkpoint(run, Path(os.path.relpath(run / "checkpoints" / "step_000001")))
+    assert meta["step"] == 1
+
+
+def test_a_renamed_checkpoint_is_refused(tmp_path):
+    _save(tmp_path, 2, 1.0)
+    os.replace(tmp_path / "checkpoints" / "step_000002", tmp_path / "checkpoints" / "step_000005")
+    with pytest.raises(CheckpointError, match="meta.json says step 2, its name step 5"):
+        resume_checkpoint(tmp_path, tmp_path / "checkpoints" / "step_000005")
+
+
+def test_resaving_a_step_keeps_the_old_copy_until_the_new_one_is_in_place(tmp_path, monkeypatch):
+    _save(tmp_path, 1, 1.0)
+    _save(tmp_path, 2, 2.0)
+    real = os.replace
+
+    def crash_on_the_swap(src, dst):
+        if Path(src).name.startswith(".tmp_step_"):
+            raise KeyboardInterrupt("killed")
+        real(src, dst)
+
+    monkeypatch.setattr("polyrl.checkpoint.os.replace", crash_on_the_swap)
+    with pytest.raises(KeyboardInterrupt):
+        _save(tmp_path, 2, 3.0)
+    monkeypatch.setattr("polyrl.checkpoint.os.replace", real)
+    path, meta = resume_checkpoint(tmp_path)  # the old step 2 is back, not lost to the killed save
+    assert path.name == "step_000002" and _weight(path) == 2.0
+    remove_partial_saves(tmp_path)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_000001", "step_000002"]
+    _save(tmp_path, 2, 4.0)  # a save that completes replaces it and leaves nothing behind
+    assert _weight(tmp_path / "checkpoints" / "step_000002") == 4.0
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_000001", "step_000002"]
+
+
+# ---- 3. only step_NNNNNN directories are checkpoints ------------------------------------------------------------
+def test_a_backup_copy_is_never_listed_loaded_or_pruned(tmp_path):
+    root = tmp_path / "checkpoints"
+    _save(tmp_path, 1, 1.0)
+    _save(tmp_path, 2, 2.0)
+    shutil.copytree(root / "step_000002", root / "step_000002.bak")
+    shutil.copytree(root / "step_000001", root / "superseded_step_000009")
+    assert latest_checkpoint(tmp_path).name == "step_000002"
+    assert resume_checkpoint(tmp_path)[0].name == "step_000002"
+    _save(tmp_path, 3, 3.0, keep_last=2)  # prunes step 1 only: not step 2, not the copies
+    assert sorted(p.name for p in root.iterdir()) == ["step_000002", "step_000002.bak", "step_000003",
+                                                      "superseded_step_000009"]
+    assert [p.name for p in set_aside_newer(tmp_path, 2)] == ["superseded_step_000003"]
+    assert (root / "step_000002.bak").is_dir()
+
+
+def test_resume_past_a_backup_copy(run, capsys):
+    shutil.copytree(run / "checkpoints" / "step_000002", run / "checkpoints" / "step_000002.bak")
+    code, err = _cli(["train", "--run-dir", run, "--resume", "--steps", "3"], capsys)
+    assert code == 0, err
+    steps = [r["step"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "reward/mean" in r]
+    assert steps == [1, 2, 3]
+    assert (run / "checkpoints" / "step_000002.bak" / "meta.json").is_file()
+
+
+# ---- 4. damaged run records: one line naming the file ------------------------------------------------------------
+@pytest.mark.parametrize("text,fragment", [
+    ("[1]", "is not a polyrl run record (it holds a list, not an object)"),
+    ('{"model_type": "llama", "vocab_size": 50}', 'is not a polyrl run record (it has no "config" object)'),
+    ('{"config": [1]}', 'its "config" is a list, not an object'),
+])
+def test_a_config_json_that_is_not_a_run_record_is_refused(run, capsys, text, fragment):
+    (run / "config.json").write_text(text)
+    before = (run / "metrics.jsonl").read_text()
+    code, err = _cli(["train", "--run-dir", run, "--resume", "--steps", "3"], capsys)
+    _one_line(code, err, f"{run / 'config.json'}", fragment)
+    assert (run / "metrics.jsonl").read_text() == before  # refused before anything was touched
+
+
+def test_a_history_line_cut_by_a_kill_is_skipped_and_not_glued_to(tmp_path):
+    (tmp_path / "config.json").write_text('{"config": {"steps": 2, "lr": 0.1}}')
+    history = tmp_path / "config_history.jsonl"
+    history.write_text('{"changes": {"steps": [2, 3]}}\n{"changes": {"steps": [3, 9')
+    assert effective_config(tmp_path) == {"steps": 3, "lr": 0.1}
+    record_resume(tmp_path, 3, "step_000003", {"steps": [3, 4]})
+    assert effective_config(tmp_path) == {"steps": 4, "lr": 0.1}
+    assert len(history.read_text().splitlines()) == 2
+    history.write_text('{"changes": {"steps": [2, 3]}}\n{"chan\n{"changes": {}}\n')
+    with pytest.raises(ConfigError, match=r"config_history.jsonl line 2 is not valid JSON"):
+        effective_config(tmp_path)
+    history.write_text('{"changes": {"steps": 3}}\n')
+    with pytest.raises(ConfigError, match=r"config_history.jsonl line 1 is not a resume record"):
+        effective_config(tmp_path)
+
+
+def test_resume_with_a_cut_history_line(run, capsys):
+    (run / "config_history.jsonl").write_text('{"time": "x", "resumed_at_step": 2, "chan')
+    code, err = _cli(["train", "--run-dir", run, "--resume", "--steps", "3"], capsys)
+    assert code == 0, err
+    lines = [json.loads(x) for x in (run / "config_history.jsonl").read_text().splitlines()]
+    assert [x["changes"] for x in lines] == [{"steps": [2, 3]}]
+
+
+@pytest.mark.parametrize("drop,fragment", [
+    ("files", "meta.json has files = None; allowed: an object of file name -> SHA-256"),
+    ("step", "meta.json has step = None; allowed: an integer >= 0"),
+])
+def test_a_meta_json_without_files_or_step_is_one_line(run, capsys, drop, fragment):
+    meta_path = run / "checkpoints" / "step_000002" / "meta.json"
+    meta = json.loads(meta_path.read_text())
+    del meta[drop]
+    meta_path.write_text(json.dumps(meta))
+    code, err = _cli(["train", "--run-dir", run, "--resume", "--steps", "3"], capsys)
+    _one_line(code, err, f"checkpoint {meta_path.parent}: {fragment}",
+              f"--resume-from {run / 'checkpoints' / 'step_000001'}")
+    meta_path.write_text("[1]")
+    code, err = _cli(["train", "--run-dir", run, "--resume-from", meta_path.parent, "--steps", "3"], capsys)
+    _one_line(code, err, "meta.json holds a list")
