@@ -69,3 +69,26 @@ def make_inputs(
         old_topk_logp=old.gather(-1, topk_ids),
         rollout_topk_logp=roll.gather(-1, topk_ids),
     )
+
+
+def cli(capsys, *args: str) -> tuple[int, str]:
+    """Exit code and stderr of `polyrl ARGS` run in this process."""
+    from polyrl.cli import main
+
+    capsys.readouterr()
+    code = main(list(args))
+    return code, capsys.readouterr().err
+
+
+def one_line(err: str, *words: str) -> None:
+    """``err`` is one line, no traceback, holding every one of ``words``."""
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    for w in words:
+        assert w in err, (w, err)
+
+
+def step_rows(run) -> list[int]:
+    """The step of every row of ``run/metrics.jsonl``."""
+    import json
+
+    return [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()]

@@ -10,42 +10,24 @@ import re
 import pytest
 
 from polyrl.config import ConfigError
+from tests.helpers import cli, one_line, step_rows
 
 # the smallest run: one cloning step, tiny groups, a 16-segment evaluation (well under a second)
 TINY = ["--imitation-steps", "1", "--imitation-batch", "8", "--groups", "2", "--group-size", "2", "--frames", "40",
         "--hidden", "8", "--eval-segments", "16"]
 
 
-def _cli(capsys, *args: str) -> tuple[int, str]:
-    """Exit code and stderr of `polyrl ARGS` run in this process."""
-    from polyrl.cli import main
-
-    capsys.readouterr()
-    code = main(list(args))
-    return code, capsys.readouterr().err
-
-
-def _one_line(err: str, *words: str) -> None:
-    assert err.count("\n") == 1 and "Traceback" not in err, err
-    for w in words:
-        assert w in err, (w, err)
-
-
-def _rows(run) -> list[int]:
-    return [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()]
-
-
 # ---- report ---------------------------------------------------------------------------------------------------
 def test_report_reuses_a_finished_run_only_with_the_same_settings(tmp_path, capsys):
     out, summary = str(tmp_path / "rep"), tmp_path / "rep" / "grpo" / "seed0" / "summary.json"
     rep = ["duplex", "report", "--seeds", "1", *TINY, "--out", out]
-    assert _cli(capsys, *rep, "--steps", "1")[0] == 0
+    assert cli(capsys, *rep, "--steps", "1")[0] == 0
     first = summary.read_text()
-    code, err = _cli(capsys, *rep, "--steps", "3", "--lr", "0.5")
+    code, err = cli(capsys, *rep, "--steps", "3", "--lr", "0.5")
     assert code == 2
-    _one_line(err, "steps = 1, not 3", "--overwrite")
+    one_line(err, "steps = 1, not 3", "--overwrite")
     assert summary.read_text() == first  # nothing retrained, nothing reported
-    assert _cli(capsys, *rep, "--steps", "3", "--lr", "0.5", "--overwrite")[0] == 0
+    assert cli(capsys, *rep, "--steps", "3", "--lr", "0.5", "--overwrite")[0] == 0
     s = json.loads(summary.read_text())
     assert s["steps"] == 3 and s["config"]["lr"] == 0.5
     assert json.loads((tmp_path / "rep" / "results.json").read_text())["config"]["steps"] == 3
@@ -70,18 +52,18 @@ def test_report_offers_no_seed_and_refuses_one(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["duplex", "report", "--help"])
     assert not re.search(r"--seed(?![s\w])", capsys.readouterr().out)
-    code, err = _cli(capsys, "duplex", "report", "--seed", "9", "--out", str(tmp_path / "r"))
+    code, err = cli(capsys, "duplex", "report", "--seed", "9", "--out", str(tmp_path / "r"))
     assert code == 2
-    _one_line(err, "seed = 9", "--seeds")
+    one_line(err, "seed = 9", "--seeds")
     (tmp_path / "c.toml").write_text("seed = 3\n")
-    code, err = _cli(capsys, "duplex", "report", "--config", str(tmp_path / "c.toml"), "--out", str(tmp_path / "r"))
+    code, err = cli(capsys, "duplex", "report", "--config", str(tmp_path / "c.toml"), "--out", str(tmp_path / "r"))
     assert code == 2
-    _one_line(err, "seed = 3")
+    one_line(err, "seed = 3")
     assert not (tmp_path / "r").exists()
 
 
 def test_report_on_a_single_axis_task_leaves_out_the_other_axes(tmp_path, capsys):
-    assert _cli(capsys, "duplex", "report", "--seeds", "1", "--steps", "1", "--task", "pause", *TINY,
+    assert cli(capsys, "duplex", "report", "--seeds", "1", "--steps", "1", "--task", "pause", *TINY,
                 "--out", str(tmp_path))[0] == 0
     res = json.loads((tmp_path / "results.json").read_text())  # strict JSON: no NaN left in it
     assert list(res["metrics"]) == ["pause/takeover_rate"]
@@ -104,11 +86,11 @@ def test_analyse_reports_a_metric_with_no_values_as_n_a():
 
 
 # ---- train: divergence, settings the method does not read --------------------------------------------------------
-def test_diverging_run_stops_in_one_line(tmp_path, capsys):
+def test_diverging_run_stops_inone_line(tmp_path, capsys):
     run = tmp_path / "r"
-    code, err = _cli(capsys, "duplex", "train", "--steps", "3", *TINY, "--lr", "1e30", "--run-dir", str(run))
+    code, err = cli(capsys, "duplex", "train", "--steps", "3", *TINY, "--lr", "1e30", "--run-dir", str(run))
     assert code == 1
-    _one_line(err, "training stopped: non-finite", "lower --lr")
+    one_line(err, "training stopped: non-finite", "lower --lr")
     assert (run / "config.json").is_file() and not (run / "summary.json").exists()
 
 
@@ -130,33 +112,33 @@ def test_imitation_accepts_the_settings_it_reads(tmp_path, capsys):
 
     check_train_flags(["--method", "imitation", "--imitation-lr", "0.01", "--max-grad-norm", "0.5", "--groups", "3"])
     (tmp_path / "c.toml").write_text("lr = 0.5\n")  # a TOML key is given as much as a flag
-    code, err = _cli(capsys, "duplex", "train", "--method", "imitation", "--config", str(tmp_path / "c.toml"),
+    code, err = cli(capsys, "duplex", "train", "--method", "imitation", "--config", str(tmp_path / "c.toml"),
                      "--run-dir", str(tmp_path / "r"))
     assert code == 2
-    _one_line(err, "lr = 0.5", "imitation")
+    one_line(err, "lr = 0.5", "imitation")
     assert not (tmp_path / "r").exists()
 
 
 # ---- resume ----------------------------------------------------------------------------------------------------
 def test_resume_keeps_method_and_advantage(tmp_path, capsys):
     run = tmp_path / "r"
-    assert _cli(capsys, "duplex", "train", "--steps", "1", *TINY, "--run-dir", str(run))[0] == 0
+    assert cli(capsys, "duplex", "train", "--steps", "1", *TINY, "--run-dir", str(run))[0] == 0
     record, summary = (run / "config.json").read_text(), (run / "summary.json").read_text()
     for flags, field in ((["--advantage", "rloo"], "advantage"), (["--method", "rloo"], "method"),
                          (["--hidden", "9"], "hidden")):
-        code, err = _cli(capsys, "duplex", "train", "--steps", "2", *TINY, *flags, "--run-dir", str(run), "--resume")
+        code, err = cli(capsys, "duplex", "train", "--steps", "2", *TINY, *flags, "--run-dir", str(run), "--resume")
         assert code == 2
-        _one_line(err, f"{field} = ", "differs")
+        one_line(err, f"{field} = ", "differs")
     assert (run / "config.json").read_text() == record and (run / "summary.json").read_text() == summary
     # without flags a resume continues with the run's own settings (not the defaults)
-    assert _cli(capsys, "duplex", "train", "--steps", "2", "--run-dir", str(run), "--resume")[0] == 0
-    assert _rows(run) == [1, 2] and json.loads((run / "summary.json").read_text())["config"]["hidden"] == 8
+    assert cli(capsys, "duplex", "train", "--steps", "2", "--run-dir", str(run), "--resume")[0] == 0
+    assert step_rows(run) == [1, 2] and json.loads((run / "summary.json").read_text())["config"]["hidden"] == 8
 
 
 def test_resume_refuses_fewer_steps_than_done(tmp_path, capsys):
     run = tmp_path / "r"
-    assert _cli(capsys, "duplex", "train", "--steps", "3", *TINY, "--run-dir", str(run))[0] == 0
-    code, err = _cli(capsys, "duplex", "train", "--steps", "1", *TINY, "--run-dir", str(run), "--resume")
+    assert cli(capsys, "duplex", "train", "--steps", "3", *TINY, "--run-dir", str(run))[0] == 0
+    code, err = cli(capsys, "duplex", "train", "--steps", "1", *TINY, "--run-dir", str(run), "--resume")
     assert code == 2
-    _one_line(err, "steps = 1", ">= 3")
-    assert _rows(run) == [1, 2, 3] and json.loads((run / "summary.json").read_text())["steps"] == 3
+    one_line(err, "steps = 1", ">= 3")
+    assert step_rows(run) == [1, 2, 3] and json.loads((run / "summary.json").read_text())["steps"] == 3

@@ -11,42 +11,24 @@ import pytest
 import torch
 
 from polyrl.config import ConfigError
+from tests.helpers import cli, one_line, step_rows
 
 # the smallest run: 4 episodes of 6 steps, one pass of 2 minibatches, a 4-episode evaluation every step
 TINY = ["--envs", "4", "--horizon", "6", "--hidden", "16", "--eval-every", "1", "--eval-episodes", "4",
         "--minibatches", "2", "--epochs", "1"]
 
 
-def _cli(capsys, *args: str) -> tuple[int, str]:
-    """Exit code and stderr of `polyrl ARGS` run in this process."""
-    from polyrl.cli import main
-
-    capsys.readouterr()
-    code = main(list(args))
-    return code, capsys.readouterr().err
-
-
-def _one_line(err: str, *words: str) -> None:
-    assert err.count("\n") == 1 and "Traceback" not in err, err
-    for w in words:
-        assert w in err, (w, err)
-
-
-def _rows(run) -> list[int]:
-    return [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()]
-
-
 # ---- report ---------------------------------------------------------------------------------------------------
 def test_report_reuses_a_finished_run_only_with_the_same_settings(tmp_path, capsys):
     out, summary = str(tmp_path / "rep"), tmp_path / "rep" / "mappo" / "seed0" / "summary.json"
     rep = ["marl", "report", "--seeds", "1", "--methods", "mappo", *TINY, "--out", out]
-    assert _cli(capsys, *rep, "--steps", "1")[0] == 0
+    assert cli(capsys, *rep, "--steps", "1")[0] == 0
     first = summary.read_text()
-    code, err = _cli(capsys, *rep, "--steps", "2", "--lr", "0.5")
+    code, err = cli(capsys, *rep, "--steps", "2", "--lr", "0.5")
     assert code == 2
-    _one_line(err, "steps = 1, not 2", "--overwrite")
+    one_line(err, "steps = 1, not 2", "--overwrite")
     assert summary.read_text() == first
-    assert _cli(capsys, *rep, "--steps", "2", "--lr", "0.5", "--overwrite")[0] == 0
+    assert cli(capsys, *rep, "--steps", "2", "--lr", "0.5", "--overwrite")[0] == 0
     s = json.loads(summary.read_text())
     assert s["steps"] == 2 and s["config"]["lr"] == 0.5
 
@@ -68,9 +50,9 @@ def test_report_offers_no_seed_and_refuses_one(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["marl", "report", "--help"])
     assert not re.search(r"--seed(?![s\w])", capsys.readouterr().out)
-    code, err = _cli(capsys, "marl", "report", "--seed", "7", "--out", str(tmp_path / "r"))
+    code, err = cli(capsys, "marl", "report", "--seed", "7", "--out", str(tmp_path / "r"))
     assert code == 2
-    _one_line(err, "seed = 7", "--seeds")
+    one_line(err, "seed = 7", "--seeds")
     assert not (tmp_path / "r").exists()
 
 
@@ -79,32 +61,32 @@ def test_report_offers_no_seed_and_refuses_one(tmp_path, capsys):
                                           (["--methods", "mappo,mappo"], ("methods = 'mappo,mappo'", "once")),
                                           (["--methods", "mappo,qmix"], ("methods = 'mappo,qmix'",))])
 def test_report_options_are_checked_before_training(tmp_path, capsys, flags, words):
-    code, err = _cli(capsys, "marl", "report", "--seeds", "1", *flags, "--out", str(tmp_path / "r"))
+    code, err = cli(capsys, "marl", "report", "--seeds", "1", *flags, "--out", str(tmp_path / "r"))
     assert code == 2
-    _one_line(err, *words)
+    one_line(err, *words)
     assert not (tmp_path / "r").exists()  # nothing trained
 
 
 # ---- train ----------------------------------------------------------------------------------------------------
-def test_diverging_run_stops_in_one_line(tmp_path, capsys):
+def test_diverging_run_stops_inone_line(tmp_path, capsys):
     run = tmp_path / "r"
-    code, err = _cli(capsys, "marl", "train", "--steps", "3", *TINY, "--lr", "1e30", "--run-dir", str(run))
+    code, err = cli(capsys, "marl", "train", "--steps", "3", *TINY, "--lr", "1e30", "--run-dir", str(run))
     assert code == 1
-    _one_line(err, "training stopped: non-finite", "step 1", "lower --lr")
+    one_line(err, "training stopped: non-finite", "step 1", "lower --lr")
     assert not (run / "summary.json").exists()
 
 
 def test_resume_refuses_fewer_steps_and_overwrite(tmp_path, capsys):
     run = tmp_path / "r"
-    assert _cli(capsys, "marl", "train", "--steps", "3", *TINY, "--run-dir", str(run))[0] == 0
+    assert cli(capsys, "marl", "train", "--steps", "3", *TINY, "--run-dir", str(run))[0] == 0
     summary = (run / "summary.json").read_text()
-    code, err = _cli(capsys, "marl", "train", "--steps", "1", "--run-dir", str(run), "--resume")
+    code, err = cli(capsys, "marl", "train", "--steps", "1", "--run-dir", str(run), "--resume")
     assert code == 2
-    _one_line(err, "steps = 1", ">= 3")
-    code, err = _cli(capsys, "marl", "train", "--steps", "4", "--run-dir", str(run), "--resume", "--overwrite")
+    one_line(err, "steps = 1", ">= 3")
+    code, err = cli(capsys, "marl", "train", "--steps", "4", "--run-dir", str(run), "--resume", "--overwrite")
     assert code == 2
-    _one_line(err, "resume and overwrite")
-    assert _rows(run) == [1, 2, 3] and (run / "summary.json").read_text() == summary  # the run as it was
+    one_line(err, "resume and overwrite")
+    assert step_rows(run) == [1, 2, 3] and (run / "summary.json").read_text() == summary  # the run as it was
     assert not (run / "config_history.jsonl").exists()
 
 
@@ -119,7 +101,7 @@ def test_resume_below_checkpoint_refused_by_train_marl_too(tmp_path):
 
     with pytest.raises(ConfigError, match="^steps = 1 is not allowed"):
         train_marl(replace(cfg, steps=1), get_marl_method("mappo"), run_dir=tmp_path, resume=True, table_every=0)
-    assert _rows(tmp_path) == [1, 2]
+    assert step_rows(tmp_path) == [1, 2]
 
 
 def test_every_pass_takes_exactly_minibatches_optimizer_steps():

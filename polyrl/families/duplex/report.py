@@ -15,7 +15,6 @@ out of the page.
 from __future__ import annotations
 
 import io
-import json
 import math
 import time
 from dataclasses import replace
@@ -25,51 +24,12 @@ from typing import Any
 import numpy as np
 
 from polyrl.families.duplex.sim import METRIC_SIGN
+from polyrl.families.reuse import check_reuse, finished, stale_setting
 
 CLAIM = ("Multi-faceted interactivity alignment (arXiv:2606.11167): GRPO with rule-based per-axis rewards (pause "
          "handling, turn-taking, backchanneling, user interruption) plus a quality reward improves every axis of a "
          "full-duplex model. Issue 20: on a scripted frame simulator, training for <= 10 minutes improves every axis "
          "metric over a supervised imitation baseline over >= 5 seeds.")
-
-
-# Settings that change how a run is watched or where it runs, not its results: a finished run is reused across them.
-NOT_RESULTS = ("threads", "tensorboard", "checkpoint_every")
-
-
-def finished(run_dir: Path) -> dict[str, Any] | None:
-    """The run's summary when it finished (None when it did not)."""
-    path = run_dir / "summary.json"
-    return json.loads(path.read_text()) if path.is_file() else None
-
-
-def stale_setting(summary: dict[str, Any], cfg) -> str | None:
-    """The first setting (besides ``NOT_RESULTS``) whose saved value differs from ``cfg``'s, as 'name = saved, not
-    asked'; None when the finished run is what ``cfg`` asks for (its results may be reused)."""
-    from dataclasses import asdict
-
-    saved = summary.get("config")
-    if not isinstance(saved, dict):
-        return "config = unknown (its summary.json records no settings)"
-    for name, value in asdict(cfg).items():
-        if name not in NOT_RESULTS and saved.get(name) != value:
-            return f"{name} = {saved.get(name)!r}, not {value!r}"
-    return None
-
-
-def check_reuse(cfg, *, seeds: int, out: Path, methods, overwrite: bool) -> None:
-    """Before any training: refuse (ConfigError, one line) a finished run in ``out`` trained with other settings,
-    unless ``overwrite`` (then ``run_seed`` retrains it). Reusing it would report settings it was not trained with."""
-    from polyrl.config import ConfigError
-
-    if overwrite:
-        return
-    for seed in range(seeds):
-        for m in methods:
-            s = finished(out / m / f"seed{seed}")
-            why = s is not None and stale_setting(s, replace(cfg, seed=seed))
-            if why:
-                raise ConfigError(f"{m}/seed{seed} in '{out}' was trained with {why}; pass --overwrite to retrain "
-                                 "such runs, or another --out")
 
 
 def run_seed(cfg, method_name: str, run_dir: Path) -> dict[str, Any]:

@@ -1,0 +1,51 @@
+"""When a family's report may reuse a finished run (`polyrl duplex report`, `polyrl marl report`).
+
+A report trains METHOD/seedK under its ``--out`` and, on a rerun, reads back the runs that finished. A finished
+run is reused only when its saved settings are the ones asked for now: otherwise the report would print settings
+its runs were not trained with. ``check_reuse`` refuses such a run before anything trains (``--overwrite``
+retrains it instead).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Any
+
+# Settings that change how a run is watched or where it runs, not its results: a finished run is reused across them.
+NOT_RESULTS = ("threads", "tensorboard", "checkpoint_every")
+
+
+def finished(run_dir: Path) -> dict[str, Any] | None:
+    """The run's summary when it finished (None when it did not)."""
+    path = run_dir / "summary.json"
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def stale_setting(summary: dict[str, Any], cfg) -> str | None:
+    """The first setting (besides ``NOT_RESULTS``) whose saved value differs from ``cfg``'s (a dataclass), as
+    'name = saved, not asked'; None when the finished run is what ``cfg`` asks for (its results may be reused)."""
+    saved = summary.get("config")
+    if not isinstance(saved, dict):
+        return "config = unknown (its summary.json records no settings)"
+    for name, value in asdict(cfg).items():
+        if name not in NOT_RESULTS and saved.get(name) != value:
+            return f"{name} = {saved.get(name)!r}, not {value!r}"
+    return None
+
+
+def check_reuse(cfg, *, seeds: int, out: Path, methods: list[str], overwrite: bool) -> None:
+    """Before any training: refuse (ConfigError, one line) a finished run in ``out`` trained with other settings than
+    ``cfg`` (seed replaced), unless ``overwrite`` (then the report retrains it)."""
+    from polyrl.errors import ConfigError
+
+    if overwrite:
+        return
+    for m in methods:
+        for seed in range(seeds):
+            s = finished(out / m / f"seed{seed}")
+            why = s is not None and stale_setting(s, replace(cfg, seed=seed))
+            if why:
+                raise ConfigError(f"{m}/seed{seed} in '{out}' was trained with {why}; pass --overwrite to retrain "
+                                  "such runs, or another --out")
