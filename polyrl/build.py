@@ -154,6 +154,10 @@ def resolve_train(args: argparse.Namespace) -> TrainPlan:
 
     if cfg.resume and cfg.overwrite:
         raise ConfigError("resume = true and overwrite = true contradict each other; choose one")
+    if cfg.model is None:  # before --overwrite clears anything: a task read from --data-file has no warm start
+        from polyrl.tinylm import check_warmstart
+
+        check_warmstart(cfg.task)
     plan = TrainPlan(cfg, method, task, run_dir, overrides, changes, notes=notes)
     if cfg.resume:
         checkpoint, meta = resume_checkpoint(run_dir, cfg.resume_from)

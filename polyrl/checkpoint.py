@@ -177,7 +177,10 @@ def _restore_replaced(root: Path) -> None:
         if final.exists():
             shutil.rmtree(old, ignore_errors=True)
         else:
-            os.replace(old, final)
+            try:
+                os.replace(old, final)
+            except FileNotFoundError:  # another process of the same run (a --nproc rank) put it back first
+                pass
 
 
 def resume_checkpoint(run_dir: str | Path, resume_from: str | Path | None = None) -> tuple[Path, dict[str, Any]]:

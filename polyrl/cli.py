@@ -164,14 +164,11 @@ def cache_dir() -> Path:
 
 
 def cmd_warmstart(args: argparse.Namespace) -> int:
-    from polyrl.tinylm import WarmstartError, check_warmstart, warmstart
+    from polyrl.tinylm import warmstart
 
-    check_warmstart(args.task, threshold=args.threshold, seed=args.seed, hidden=args.hidden, layers=args.layers)
-    try:
-        result = warmstart(args.task, cache_dir() / "warmstart", threshold=args.threshold, seed=args.seed,
-                           hidden=args.hidden, layers=args.layers)
-    except WarmstartError as e:  # the threshold was not reached within the step cap
-        raise TrainingError(str(e)) from None
+    # Bad settings are a one-line ConfigError (check_warmstart), a threshold not reached a TrainingError.
+    result = warmstart(args.task, cache_dir() / "warmstart", threshold=args.threshold, seed=args.seed,
+                       hidden=args.hidden, layers=args.layers)
     how = "cached" if result.cached else f"trained in {result.seconds:.0f} s, {result.steps} steps"
     console.print(f"warm start for {args.task}: accuracy {result.accuracy:.3f} ({how})\n{result.path}")
     return 0
@@ -208,11 +205,6 @@ def cmd_train(args: argparse.Namespace) -> int:
     global console
     if world()[0] != 0:  # one rank of several speaks and writes the run directory: rank 0
         console = Console(quiet=True)
-    if args.model is None and args.config is None and args.data_file is not None and not (
-            args.resume or args.resume_from):  # refused before resolve_train clears the run directory (--overwrite)
-        from polyrl.tinylm import check_warmstart
-
-        check_warmstart(args.task or "addition")  # a task read from --data-file has no warm start: --model
     plan = resolve_train(args)
     for note in plan.notes:
         console.print(note)
@@ -222,13 +214,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     if blocker is not None and not blocker.is_dir():
         raise ConfigError(f"run_dir = {run_dir!r} is not allowed: {str(blocker)!r} is a file, not a directory")
     if cfg.model is None:
-        from polyrl.tinylm import WarmstartError, check_warmstart, warmstart
+        from polyrl.tinylm import warmstart
 
-        check_warmstart(cfg.task)  # a task read from --data-file has no warm start: one line asking for --model
-        try:
-            ws = warmstart(cfg.task, cache_dir() / "warmstart", seed=0)
-        except WarmstartError as e:
-            raise TrainingError(str(e)) from None
+        ws = warmstart(cfg.task, cache_dir() / "warmstart", seed=0)  # resolve_train checked the task has one
         cfg.model = ws.path
         console.print(f"warm start: {cfg.model} ({'cached' if ws.cached else f'{ws.seconds:.0f} s'}, "
                       f"accuracy {ws.accuracy:.3f})")
@@ -365,28 +353,20 @@ def cmd_compare(args: argparse.Namespace) -> int:
     else:
         shared, model = ["--task", args.task or "addition", *args.extra], args.model
         if model is None:
-            from polyrl.tinylm import check_warmstart, warmstart
+            from polyrl.tinylm import warmstart
 
-            check_warmstart(args.task or "addition")  # a known task that has a warm start: one line otherwise
             model = warmstart(args.task or "addition", cache_dir() / "warmstart", seed=0).path
         flags = OneLineParser(prog="polyrl train", add_help=False)
         flags.raising = True
         add_train_args(flags)
         command, resumable, check = ("train",), True, check_train_flags(flags.parse_args, model)
     validate_runs(methods, shared, per_method, presets, check=check)
-    try:
-        return _run_compare(args, methods, presets, shared, per_method, model, command, resumable)
-    except ValueError:  # the analysis found no run to analyse: every run failed before it logged a step
-        from polyrl.lab.analysis import load_runs
-
-        if load_runs(Path(args.out)):
-            raise
-        raise TrainingError(f"no run under {args.out} logged a step (every run failed): see its "
-                            "METHOD/seedK.train.log files") from None
+    return _run_compare(args, methods, presets, shared, per_method, model, command, resumable)
 
 
 def _run_compare(args, methods, presets, shared, per_method, model, command, resumable) -> int:
     from polyrl.lab import CollapseRule, analyse, print_ranking, write_report
+    from polyrl.lab.analysis import load_runs
     from polyrl.lab.compare import plan_runs, run_all
 
     out = Path(args.out)
@@ -395,6 +375,9 @@ def _run_compare(args, methods, presets, shared, per_method, model, command, res
     console.print(f"{len(specs)} run(s) to do of {len(methods) * args.seeds} (others finished)"
                   + (f"; model {model}" if model else ""))
     failed = [s for s, code, _ in run_all(specs, workers=args.workers, console=console) if code != 0]
+    if not load_runs(out):  # every run failed before it logged a step: nothing to analyse
+        raise TrainingError(f"no run under {out} logged a step (every run failed): see its METHOD/seedK.train.log "
+                            "files")
     results = analyse(out, threshold=args.threshold, collapse_rule=CollapseRule(drop_fraction=args.collapse_drop),
                       ci=args.ci)
     paths = write_report(results, out)

@@ -284,7 +284,10 @@ def parse_part(text: str) -> tuple[str, dict[str, str]]:
             key, eq, value = item.partition("=")
             if not eq or not key.strip():
                 raise PartError(f"cannot read {item!r} in {text!r}: write parameters as name:key=value,key=value")
-            params[key.strip()] = value.strip()
+            value = value.strip()
+            if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":  # str(Part) quotes strings: 'sample'
+                value = value[1:-1]
+            params[key.strip()] = value
     if not name:
         raise PartError(f"empty part name in {text!r}")
     return name, params

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from polyrl.config import ConfigError
+from polyrl.errors import ConfigError
 
 CONFIG = "config.json"
 HISTORY = "config_history.jsonl"
@@ -150,14 +150,15 @@ def write_record(run_dir: str | Path, record: dict[str, Any]) -> None:
     path.write_text(json.dumps(record, indent=2, default=str))
 
 
-def start_run_dir(run_dir: str | Path, *, overwrite: bool) -> Path:
+def start_run_dir(run_dir: str | Path, *, overwrite: bool, inputs: dict[str, Any] | None = None) -> Path:
     """A directory for a new run: one that already holds a run is refused unless ``overwrite`` (then cleared, if
-    ``clear_run_dir`` finds a polyrl run or nothing in it; anything else is refused, never deleted)."""
+    ``clear_run_dir`` finds a polyrl run or nothing in it and no file of ``inputs``, the command's settings;
+    anything else is refused, never deleted)."""
     run = Path(run_dir)
     if run.exists() and not run.is_dir():
         raise ConfigError(f"run_dir = '{run}' is a file, not a directory; choose another --run-dir")
     if overwrite:
-        clear_run_dir(run)
+        clear_run_dir(run, inputs=inputs)
     elif (run / "metrics.jsonl").exists() or (run / "summary.json").exists() or (run / CONFIG).exists():
         raise ConfigError(f"run_dir = '{run}' already holds a run; pass --overwrite or another --run-dir")
     run.mkdir(parents=True, exist_ok=True)

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 from rich.console import Console
 
+from polyrl.errors import TrainingError
 from polyrl.logging import StepProgress
 from polyrl.rollout.episodes import EpisodeRunner
 from polyrl.rollout.generator import SamplingParams
@@ -146,8 +147,9 @@ def check_warmstart(task: str, *, threshold: float = 0.30, seed: int = 0, hidden
         raise ConfigError(f"layers = {layers} is not allowed: an integer >= 1")
 
 
-class WarmstartError(RuntimeError):
-    """Raised when warm-starting hits max_steps before reaching the accuracy threshold."""
+class WarmstartError(TrainingError):
+    """Raised when warm-starting hits max_steps before reaching the accuracy threshold (a failed run: one line,
+    exit code 1)."""
 
 
 @dataclass(frozen=True)
@@ -185,7 +187,9 @@ def warmstart(
     the mean task reward of greedy completions on ``eval_size`` test prompts, measured every
     ``eval_every`` steps. ``max_steps`` is only a safety cap: reaching it raises WarmstartError.
     """
-    task = get_task(task) if isinstance(task, str) else task
+    if isinstance(task, str):
+        check_warmstart(task, threshold=threshold, seed=seed, hidden=hidden, layers=layers, heads=heads)
+        task = get_task(task)
     if not 0.0 <= threshold <= 1.0:
         raise ValueError(f"threshold must be in [0, 1], got {threshold}")
     for name, value in (("max_steps", max_steps), ("eval_every", eval_every), ("batch_size", batch_size),

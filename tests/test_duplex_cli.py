@@ -135,6 +135,22 @@ def test_resume_keeps_method_and_advantage(tmp_path, capsys):
     assert step_rows(run) == [1, 2] and json.loads((run / "summary.json").read_text())["config"]["hidden"] == 8
 
 
+def test_resume_keeps_an_advantage_given_at_the_start(tmp_path, capsys):
+    """A run started with --advantage rloo resumes as rloo without the flag (its saved part, re-read)."""
+    run = tmp_path / "r"
+    assert cli(capsys, "duplex", "train", "--steps", "1", *TINY, "--advantage", "rloo", "--run-dir", str(run))[0] == 0
+    assert cli(capsys, "duplex", "train", "--steps", "2", "--run-dir", str(run), "--resume")[0] == 0
+    assert step_rows(run) == [1, 2] and json.loads((run / "config.json").read_text())["parts"]["advantage"] == "rloo"
+
+
+def test_a_part_written_by_str_reads_back():
+    """``str(Part)`` quotes string parameters (std='sample'); parse_part takes them back (a resume re-reads it)."""
+    from polyrl.registry import ADVANTAGES, resolve_part
+
+    part = ADVANTAGES.resolve("grpo", {"std": "population"})
+    assert resolve_part(ADVANTAGES, str(part)) == part
+
+
 def test_resume_refuses_fewer_steps_than_done(tmp_path, capsys):
     run = tmp_path / "r"
     assert cli(capsys, "duplex", "train", "--steps", "3", *TINY, "--run-dir", str(run))[0] == 0

@@ -18,9 +18,20 @@ NOT_RESULTS = ("threads", "tensorboard", "checkpoint_every")
 
 
 def finished(run_dir: Path) -> dict[str, Any] | None:
-    """The run's summary when it finished (None when it did not)."""
+    """The run's summary when it finished (None when it did not); a damaged one is a one-line ConfigError."""
+    from polyrl.errors import ConfigError
+
     path = run_dir / "summary.json"
-    return json.loads(path.read_text()) if path.is_file() else None
+    if not path.is_file():
+        return None
+    try:
+        summary = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{path} cannot be read ({type(e).__name__}): its run's settings are unknown; pass "
+                          "--overwrite to retrain it, or another --out") from None
+    if not isinstance(summary, dict):
+        raise ConfigError(f"{path} is not a run summary (a {type(summary).__name__}); pass --overwrite to retrain it")
+    return summary
 
 
 def stale_setting(summary: dict[str, Any], cfg) -> str | None:

@@ -38,3 +38,9 @@ class Claim:
     decide: Callable[[Samples], Any]
     limits: str
     stability: bool = False  # a claim about stability/collapse: the full budget must have >= 5 seeds per arm
+
+
+def check_workers(workers: int) -> None:
+    """Refuse ``workers < 1`` (ValueError, one line) instead of clamping it: a clamped value is silently ignored."""
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise ValueError(f"workers = {workers!r} is not allowed; allowed: an integer >= 1")

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from polyrl.lab import verdicts
-from polyrl.lab.claim_types import Budget, Claim
+from polyrl.lab.claim_types import Budget, Claim, check_workers
 
 Samples = dict[str, Any]
 _ORDER = {"does not hold at this scale": 0, "inconclusive": 1, "holds partly": 2, "holds": 3}
@@ -64,8 +64,7 @@ def _pmap(fn, jobs: list[tuple], workers: int) -> list[Any]:
 
     ``workers < 1`` is refused (ValueError), not clamped to 1: `polyrl evidence` refuses it before any run.
     """
-    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
-        raise ValueError(f"workers = {workers!r} is not allowed; allowed: an integer >= 1")
+    check_workers(workers)
     with ThreadPoolExecutor(max_workers=workers) as pool:
         return list(pool.map(lambda job: fn(*job), jobs))
 

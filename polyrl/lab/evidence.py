@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from polyrl.lab.claim_types import Budget, Claim
+from polyrl.lab.claim_types import Budget, Claim, check_workers
 
 GENERATED_BY = "polyrl evidence"
 
@@ -188,12 +188,6 @@ def write_reports(results: dict[str, Any], registry: dict[str, Claim], out: Path
 
 
 DEFAULT_BUDGET, DEFAULT_WORKERS = "quick", 2
-
-
-def check_workers(workers: int) -> None:
-    """Refuse ``workers < 1`` (ValueError, one line) instead of clamping it: a clamped value is silently ignored."""
-    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
-        raise ValueError(f"workers = {workers!r} is not allowed; allowed: an integer >= 1")
 
 
 def _given(args: Any, names: tuple[str, ...]) -> list[str]:

@@ -40,6 +40,7 @@ from polyrl.checkpoint import (
     FORMAT,
     CheckpointError,
     _sha256,
+    list_checkpoints,
     prune_checkpoints,
     replace_dir,
     rng_state,
@@ -201,20 +202,8 @@ def _inside(path: Path, root: Path) -> bool:
 
 
 def _holds_checkpoints(path: Path) -> bool:
-    """Whether ``path`` is a run's ``checkpoints/`` directory: it holds a ``step_*`` with a meta.json."""
-    return path.name == "checkpoints" and any(path.glob("step_*/meta.json"))
-
-
-def _is_run_dir(path: Path) -> bool:
-    """A polyrl run directory: its run record, its logs or its checkpoints."""
-    logs = ("metrics.jsonl", "summary.json")
-    if _holds_checkpoints(path / "checkpoints") or any((path / f).is_file() for f in logs):
-        return True
-    try:  # polyrl's run record (runs.write_record); a model's config.json has no "config" object
-        record = json.loads((path / "config.json").read_text())
-    except (OSError, ValueError):
-        return False
-    return isinstance(record, dict) and isinstance(record.get("config"), dict)
+    """Whether ``path`` is a run's ``checkpoints/`` directory: it holds a ``step_NNNNNN`` with a meta.json."""
+    return path.name == "checkpoints" and any((p / "meta.json").is_file() for p in list_checkpoints(path.parent))
 
 
 def check_export_destination(checkpoint_dir: str | Path, out_dir: str | Path) -> Path:
@@ -225,8 +214,6 @@ def check_export_destination(checkpoint_dir: str | Path, out_dir: str | Path) ->
     from polyrl.errors import ConfigError
 
     out = Path(os.path.abspath(out_dir))
-    if out.is_symlink():
-        out = out.resolve()
     named = f"out = {str(out_dir)!r}"
     checkpoint = Path(checkpoint_dir).resolve()
     allowed = "allowed: a new or empty directory, or a previous export (one holding " + EXPORT_MARKER + ")"
@@ -243,9 +230,11 @@ def check_export_destination(checkpoint_dir: str | Path, out_dir: str | Path) ->
                           f"{allowed} outside it")
     if _inside(checkpoint, real):
         raise ConfigError(f"{named}: holds the checkpoint being exported ({checkpoint}); {allowed}")
+    from polyrl.runs import run_contents
+
     if (real / "meta.json").is_file() or any(_holds_checkpoints(p) for p in (real, *real.parents)):
         raise ConfigError(f"{named}: is a polyrl checkpoint directory, or in a run's checkpoints/; {allowed}")
-    if real.is_dir() and _is_run_dir(real):
+    if real.is_dir() and run_contents(real):
         raise ConfigError(f"{named}: is a polyrl run directory; {allowed}")
     if real.is_dir() and any(real.iterdir()) and not (real / EXPORT_MARKER).is_file():
         raise ConfigError(f"{named}: is a non-empty directory that is not a previous polyrl export (no "
@@ -307,15 +296,7 @@ def export_hf(checkpoint_dir: str | Path, out_dir: str | Path, model_dir: str | 
         (tmp / EXPORT_MARKER).write_text(json.dumps(
             {"checkpoint": str(checkpoint_dir.resolve()), "model": str(Path(model_dir).resolve())}, indent=2))
         check_export_destination(checkpoint_dir, out)  # unchanged while the model was being written
-        if out.is_dir() and (out / EXPORT_MARKER).is_file():  # a previous export: swapped out, then removed
-            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-            os.replace(out, old / out.name)
-            os.replace(tmp, out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            if out.is_dir():
-                out.rmdir()  # empty (checked)
-            os.replace(tmp, out)
+        replace_dir(tmp, out)  # a previous export (or an empty directory) is removed once the new one is in place
     except OSError as e:
         raise ConfigError(f"out = {str(out_dir)!r}: cannot write the export ({e})") from None
     finally:

@@ -37,13 +37,13 @@ def _train_config(args: argparse.Namespace):
     return family_config(_given(args), DuplexTrainConfig, validate_config)
 
 
-def _method(args: argparse.Namespace, default: str = "grpo"):
-    """The preset (``default`` when --method is not given) with its overrides; an RL-only setting given with an
-    imitation method is refused (one line)."""
+def _method(args: argparse.Namespace, default: str = "grpo", advantage: str | None = None):
+    """The preset (``default`` when --method is not given) with its overrides (``advantage`` when --advantage is
+    not given); an RL-only setting given with an imitation method is refused (one line)."""
     from polyrl.families.duplex.methods import get_duplex_method
     from polyrl.families.duplex.train import check_method_settings
 
-    method = get_duplex_method(args.method or default, advantage=args.advantage)
+    method = get_duplex_method(args.method or default, advantage=args.advantage or advantage)
     try:
         check_method_settings(method, _given(args))
     except ValueError as e:
@@ -67,15 +67,14 @@ def resume_settings(args: argparse.Namespace, run_dir: str):
     if saved is None:
         raise ConfigError(f"run_dir = '{run_dir}' holds no run to resume")
     cfg = family_config({**saved["config"], **_given(args)}, DuplexTrainConfig, validate_config)
-    method = _method(args, default=saved.get("method", "grpo"))
+    method = _method(args, default=saved.get("method", "grpo"), advantage=saved.get("parts", {}).get("advantage"))
     old = {**saved["config"], "method": saved.get("method"), **saved.get("parts", {})}
     new = {**asdict(cfg), "method": method.name, **_parts(method)}
     changed = [k for k in new if k != "steps" and k in old and old[k] != new[k]]
     if changed:
         k = changed[0]
-        hint = " (pass the --advantage it started with)" if k == "advantage" and args.advantage is None else ""
         raise ConfigError(f"{k} = {new[k]!r} differs from the run's own {k} = {old[k]!r} in '{run_dir}'; a resume "
-                          f"keeps the run's settings (only steps may change){hint}")
+                          "keeps the run's settings (only steps may change)")
     return cfg, method
 
 
@@ -91,7 +90,7 @@ def cmd_duplex_train(args: argparse.Namespace) -> int:
             raise ConfigError("resume and overwrite are exclusive; pass one of them")
         cfg, method = resume_settings(args, run_dir)
     else:
-        start_run_dir(run_dir, overwrite=args.overwrite)
+        start_run_dir(run_dir, overwrite=args.overwrite, inputs=vars(args))
         write_record(run_dir, {"config": asdict(cfg), "method": method.name, "parts": _parts(method)})
     console.print(f"duplex method: {method.name} ({method.kind}, advantage {method.advantage})")
     s = train_duplex(cfg, method, run_dir=run_dir, resume=args.resume, console=console)

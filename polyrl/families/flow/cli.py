@@ -36,7 +36,8 @@ def cmd_flow_train(args: argparse.Namespace) -> int:
     cfg = _train_config(args)
     method = get_flow_method(args.method, advantage=args.advantage, loss=args.loss, schedule=args.schedule,
                              eta=args.eta, reduce=args.reduce, cfm_samples=args.cfm_samples)
-    run_dir = start_run_dir(args.run_dir or f"runs/flow/{method.name}-{cfg.task}-s{cfg.seed}", overwrite=args.overwrite)
+    run_dir = start_run_dir(args.run_dir or f"runs/flow/{method.name}-{cfg.task}-s{cfg.seed}",
+                            overwrite=args.overwrite, inputs=vars(args))
     parts = {"advantage": str(method.advantage), "loss": str(method.loss), "schedule": method.schedule,
              "eta": method.eta, "reduce": method.reduce, "cfm_samples": method.cfm_samples}
     write_record(run_dir, {"config": asdict(cfg), "method": method.name, "parts": parts})

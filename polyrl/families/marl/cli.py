@@ -86,7 +86,8 @@ def cmd_marl_train(args: argparse.Namespace) -> int:
     else:
         cfg = _build(given)
         method = get_marl_method(args.method or "mappo")
-        run_dir = start_run_dir(args.run_dir or f"runs/marl/{method.name}-s{cfg.seed}", overwrite=args.overwrite)
+        run_dir = start_run_dir(args.run_dir or f"runs/marl/{method.name}-s{cfg.seed}", overwrite=args.overwrite,
+                                inputs=vars(args))
         write_record(run_dir, {"config": asdict(cfg), "method": method.name, "parts": {
             "critic": method.critic, "advantage": "gae", "trust_region": "clip", "aggregation": "token_mean",
             "value_loss": "clipped_value_loss"}})

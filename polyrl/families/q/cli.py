@@ -68,7 +68,7 @@ def cmd_q_train(args: argparse.Namespace) -> int:
         record_resume(run_dir, load_checkpoint(run_dir)["step"], CHECKPOINT, changes)
     else:
         run_dir = start_run_dir(args.run_dir or f"runs/q/{method.name}-{cfg.task}-s{cfg.seed}",
-                                overwrite=args.overwrite)
+                                overwrite=args.overwrite, inputs=vars(args))
         parts = {"target_mode": method.target_mode, "period": method.period, "lam": method.lam}
         write_record(run_dir, {"config": asdict(cfg), "method": method.name, "parts": parts})
     console.print(f"q method: {method.name} = target_mode {method.target_mode}; period {method.period}; "

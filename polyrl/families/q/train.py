@@ -30,6 +30,7 @@ import numpy as np
 from polyrl.config import ConfigError
 from polyrl.families.q.core import LinearQLearner
 from polyrl.families.q.methods import QMethod
+from polyrl.families.q.search import check_seed
 from polyrl.families.q.tasks import TASKS, make_task
 from polyrl.logging import RunLogger, plot_curves, write_summary
 
@@ -77,8 +78,7 @@ def validate_config(cfg: QTrainConfig) -> None:
             raise ConfigError(f"{name} = {v!r} is not allowed; allowed: an integer >= 1")
     if cfg.size < 2:
         raise ConfigError(f"size = {cfg.size} is not allowed; allowed: an integer >= 2")
-    if isinstance(cfg.seed, bool) or not isinstance(cfg.seed, int) or cfg.seed < 0:  # numpy's generators need >= 0
-        raise ConfigError(f"seed = {cfg.seed!r} is not allowed; allowed: an integer >= 0")
+    check_seed(cfg.seed)
     if cfg.checkpoint_every < 0:
         raise ConfigError(f"checkpoint_every = {cfg.checkpoint_every} is not allowed; allowed: an integer >= 0")
     for name, lo, hi in (("slip", 0.0, 1.0), ("epsilon", 0.0, 1.0), ("gamma", 0.0, 1.0)):
