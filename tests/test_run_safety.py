@@ -256,3 +256,26 @@ def test_a_meta_json_without_files_or_step_is_one_line(run, capsys, drop, fragme
     meta_path.write_text("[1]")
     code, err = _cli(["train", "--run-dir", run, "--resume-from", meta_path.parent, "--steps", "3"], capsys)
     _one_line(code, err, "meta.json holds a list")
+
+
+def test_family_overwrite_keeps_a_file_the_command_reads(tmp_path, capsys):
+    """`polyrl q train --config RUN/my.toml --overwrite` deleted my.toml with the old run (start_run_dir without
+    the command's settings)."""
+    run = tmp_path / "q1"
+    assert main(["q", "train", "--steps", "2", "--run-dir", str(run)]) == 0
+    (run / "my.toml").write_text("steps = 2\n")
+    capsys.readouterr()
+    code = main(["q", "train", "--config", str(run / "my.toml"), "--run-dir", str(run), "--overwrite"])
+    err = capsys.readouterr().err
+    assert code == 2 and "which this run reads" in err and err.count("\n") == 1, err
+    assert (run / "my.toml").is_file() and (run / "summary.json").is_file()
+
+
+def test_a_damaged_report_summary_is_one_line(tmp_path):
+    """A summary.json cut short by a kill (it is not written atomically) stopped `duplex report` with a traceback."""
+    from polyrl.families.reuse import finished
+
+    (tmp_path / "summary.json").write_text('{"steps": 3, "con')
+    with pytest.raises(ConfigError, match="summary.json cannot be read .*--overwrite") as e:
+        finished(tmp_path)
+    assert "\n" not in str(e.value)
