@@ -39,19 +39,21 @@ def saved_record(run_dir: str | Path) -> dict[str, Any] | None:
     path = Path(run_dir) / CONFIG
     if not path.is_file():
         return None
-    try:
-        record = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"run_dir = {str(run_dir)!r}: {path} cannot be read ({e.__class__.__name__}); the run's "
-                          "settings are unknown, so it cannot be resumed") from None
-    except ValueError as e:
-        raise ConfigError(f"run_dir = {str(run_dir)!r}: {CONFIG} is not valid JSON ({e}); the run's settings are "
-                          "unknown, so it cannot be resumed") from None
+    record = read_json(path, f"run_dir = {str(run_dir)!r}: ", "the run's settings are unknown, so it cannot be resumed")
     problem = _record_problem(record)
     if problem:
         raise ConfigError(f"run_dir = {str(run_dir)!r}: {path} is not a polyrl run record ({problem}); the run's "
                           "settings are unknown: it cannot be resumed (an export needs --model DIR)")
     return record
+
+
+def read_json(path: Path, where: str, consequence: str) -> Any:
+    """``path``'s JSON, or a one-line ConfigError: ``where`` + the file and why it cannot be read + ``consequence``."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as e:  # a missing/unreadable file, not UTF-8, or not JSON (cut short by a kill)
+        why = f"{type(e).__name__}: {str(e).splitlines()[0]}" if str(e) else type(e).__name__
+        raise ConfigError(f"{where}{path} cannot be read ({why}); {consequence}") from None
 
 
 def _record_problem(record: Any) -> str:

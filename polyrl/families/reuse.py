@@ -8,7 +8,6 @@ retrains it instead).
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
@@ -20,15 +19,12 @@ NOT_RESULTS = ("threads", "tensorboard", "checkpoint_every")
 def finished(run_dir: Path) -> dict[str, Any] | None:
     """The run's summary when it finished (None when it did not); a damaged one is a one-line ConfigError."""
     from polyrl.errors import ConfigError
+    from polyrl.runs import read_json
 
     path = run_dir / "summary.json"
     if not path.is_file():
         return None
-    try:
-        summary = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"{path} cannot be read ({type(e).__name__}): its run's settings are unknown; pass "
-                          "--overwrite to retrain it, or another --out") from None
+    summary = read_json(path, "", "its run's settings are unknown; pass --overwrite to retrain it, or another --out")
     if not isinstance(summary, dict):
         raise ConfigError(f"{path} is not a run summary (a {type(summary).__name__}); pass --overwrite to retrain it")
     return summary
