@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import math
 import time
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -31,6 +30,7 @@ import numpy as np
 import torch
 
 from polyrl.errors import TrainingError
+from polyrl.families import check_resume_steps, diverged
 from polyrl.families.duplex.methods import DuplexMethod
 from polyrl.families.duplex.policy import GRUPolicy
 from polyrl.families.duplex.rewards import AXES
@@ -253,25 +253,6 @@ def imitation_extra_step(policy: GRUPolicy, opt, cfg: DuplexTrainConfig, rng: np
     return {**metrics, "reward/mean": float(r.mean()), "reward/std": float(r.std())}
 
 
-def check_resume_steps(cfg: DuplexTrainConfig, done: int, run_dir: Path) -> None:
-    """Refuse ``steps`` below the checkpoint's step: the run would end with more rows logged than its summary's
-    steps say (and a policy trained longer than recorded)."""
-    from polyrl.config import ConfigError
-
-    if cfg.steps < done:
-        raise ConfigError(f"steps = {cfg.steps} is not allowed; allowed: >= {done}, the step of the checkpoint "
-                          f"being resumed in '{run_dir}'")
-
-
-@contextmanager
-def _diverged(where: str, lr_flag: str):
-    """Add where a divergence happened and which learning rate to lower to its one-line TrainingError."""
-    try:
-        yield
-    except TrainingError as e:
-        raise TrainingError(f"{e} at {where}; lower --{lr_flag}") from None
-
-
 def train_duplex(cfg: DuplexTrainConfig, method: DuplexMethod, *, run_dir: str | Path, resume: bool = False,
                  console=None, table_every: int = 10) -> dict[str, Any]:
     """Run the two phases; write metrics.jsonl, checkpoints and summary.json in ``run_dir``; return the summary."""
@@ -295,7 +276,7 @@ def train_duplex(cfg: DuplexTrainConfig, method: DuplexMethod, *, run_dir: str |
         opt = torch.optim.Adam(policy.parameters(), lr=cfg.lr)
         state = load_checkpoint(path, model=policy, optimizer=opt, extra_models={"ref": ref})
         start, before, natural, bc_loss = state["step"], state["before"], state["natural"], state["bc_loss"]
-        check_resume_steps(cfg, start, run_dir)
+        check_resume_steps(cfg.steps, start, run_dir)
         rng.bit_generator.state = state["np_generator"]
         g.set_state(state["torch_generator"])
         cut_logs(run_dir, start)
@@ -304,11 +285,11 @@ def train_duplex(cfg: DuplexTrainConfig, method: DuplexMethod, *, run_dir: str |
         opt = torch.optim.Adam(policy.parameters(), lr=cfg.imitation_lr)
         bc_loss = math.nan
         for i in range(cfg.imitation_steps):
-            with _diverged(f"imitation step {i + 1}", "imitation-lr"):
+            with diverged(f"imitation step {i + 1}", "imitation-lr"):
                 bc_loss = imitation_step(policy, opt, cfg, rng)
         ref.load_state_dict(policy.state_dict())
         opt = torch.optim.Adam(policy.parameters(), lr=cfg.lr if method.kind == "rl" else cfg.imitation_lr)
-        with _diverged("the end of the imitation phase", "imitation-lr"):
+        with diverged("the end of the imitation phase", "imitation-lr"):
             before = evaluate(policy, cfg)
         natural = natural_metrics(cfg)
         history = []
@@ -324,7 +305,7 @@ def train_duplex(cfg: DuplexTrainConfig, method: DuplexMethod, *, run_dir: str |
     try:
         for step in range(start + 1, cfg.steps + 1):
             t0 = time.perf_counter()
-            with _diverged(f"step {step}", lr_flag):
+            with diverged(f"step {step}", lr_flag):
                 metrics = (rl_step(policy, ref, opt, cfg, method, rng, g) if method.kind == "rl"
                            else imitation_extra_step(policy, opt, cfg, rng, g))
             metrics["perf/step_seconds"] = time.perf_counter() - t0
@@ -333,7 +314,7 @@ def train_duplex(cfg: DuplexTrainConfig, method: DuplexMethod, *, run_dir: str |
                 save(step)
     finally:
         logger.close()
-    with _diverged(f"the final evaluation (step {cfg.steps})", lr_flag):
+    with diverged(f"the final evaluation (step {cfg.steps})", lr_flag):
         after = evaluate(policy, cfg)  # before the final save: a diverged policy is not saved as the run's end
     save(cfg.steps)
     rows = [r for r in logger.history if "perf/step_seconds" in r]

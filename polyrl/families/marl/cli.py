@@ -76,11 +76,11 @@ def cmd_marl_train(args: argparse.Namespace) -> int:
         method = get_marl_method(method_name)
         import torch
 
-        from polyrl.families.marl.train import check_resume_steps
+        from polyrl.families import check_resume_steps
         from polyrl.runs import record_resume
 
         step = torch.load(run_dir / "checkpoint.pt", weights_only=False)["step"]
-        check_resume_steps(cfg, step, run_dir)  # before the summary goes: a refused resume leaves the run as it was
+        check_resume_steps(cfg.steps, step, run_dir)  # before the summary goes: a refusal changes nothing
         (run_dir / "summary.json").unlink(missing_ok=True)
         record_resume(run_dir, step, "checkpoint.pt", changes)
     else:

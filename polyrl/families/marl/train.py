@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import math
 import time
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -31,6 +30,7 @@ import torch
 
 import polyrl.objectives  # noqa: F401  (registers the advantage estimators)
 from polyrl.errors import TrainingError
+from polyrl.families import check_resume_steps, diverged
 from polyrl.families.marl import env as E
 from polyrl.families.marl.methods import MarlMethod
 from polyrl.families.marl.nets import CRITICS, Actor
@@ -253,25 +253,6 @@ def save_checkpoint(path: Path, agent: Agent, opt, g: torch.Generator, step: int
     tmp.replace(path)
 
 
-def check_resume_steps(cfg: MarlTrainConfig, done: int, run_dir: Path) -> None:
-    """Refuse ``steps`` below the checkpoint's step: the summary would say fewer steps than metrics.jsonl holds
-    and the weights were trained for."""
-    from polyrl.config import ConfigError
-
-    if cfg.steps < done:
-        raise ConfigError(f"steps = {cfg.steps} is not allowed; allowed: >= {done}, the step of the checkpoint "
-                          f"being resumed in '{run_dir}'")
-
-
-@contextmanager
-def _diverged(step: int):
-    """Add the step and the remedy to a divergence's one-line TrainingError."""
-    try:
-        yield
-    except TrainingError as e:
-        raise TrainingError(f"{e} at step {step}; lower --lr") from None
-
-
 def train_marl(cfg: MarlTrainConfig, method: MarlMethod, *, run_dir: str | Path, console=None, resume: bool = False,
                table_every: int = 10) -> dict[str, Any]:
     """Train ``method``; write metrics.jsonl, curves.png, checkpoint.pt and summary.json in ``run_dir``.
@@ -294,7 +275,7 @@ def train_marl(cfg: MarlTrainConfig, method: MarlMethod, *, run_dir: str | Path,
         opt.load_state_dict(state["opt"])
         g.set_state(state["rng"])
         start, history = state["step"], state["history"]
-        check_resume_steps(cfg, start, run_dir)
+        check_resume_steps(cfg.steps, start, run_dir)
         _cut_metrics(run_dir, start)
     dist = train_dist(cfg)
     logger = RunLogger(run_dir, tensorboard=cfg.tensorboard, console=console, table_every=table_every,
@@ -302,14 +283,14 @@ def train_marl(cfg: MarlTrainConfig, method: MarlMethod, *, run_dir: str | Path,
     try:
         for step in range(start + 1, cfg.steps + 1):
             t0 = time.perf_counter()
-            with _diverged(step):
+            with diverged(f"step {step}"):
                 batch = rollout(agent, cfg, dist, cfg.envs, g)
                 metrics = update(agent, opt, batch, cfg, g)
             metrics.update({"reward/mean": batch["reward"].mean().item(),
                             "train/success": batch["success"].float().mean().item(),
                             "train/margin": batch["margin"].mean().item()})
             if step % cfg.eval_every == 0 or step == cfg.steps:
-                with _diverged(step):
+                with diverged(f"step {step}"):
                     metrics.update(evaluate_all(agent, cfg, dist))
             metrics["perf/step_seconds"] = time.perf_counter() - t0
             logger.log(step, metrics)
