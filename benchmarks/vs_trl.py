@@ -9,6 +9,8 @@
     .venv/bin/python benchmarks/vs_trl.py profile  # torch.profiler's operator table of both, over the timed steps
     .venv/bin/python benchmarks/vs_trl.py switch --polyrl-set skip_zero_adv=no  # polyrl alone, as is vs one
                                                    # setting changed, alternated at the demo settings
+                                                   # (--switch-size 320x8: on a scaling model instead, at
+                                                   # --size-length tokens and --stop lengths)
 
 What is matched: the same saved model directory, prompts, reward and sampling (temperature 1, no top-p/top-k);
 the objective is GRPO with group z-scored advantages (std + 1e-4, TRL's ``scale_rewards="group"``), PPO clip 0.2,
@@ -463,6 +465,9 @@ def main() -> None:
                     help="profile: 0 profiles the demo settings, N > 0 the natural-length scaling model at N tokens")
     ap.add_argument("--polyrl-set", action="append", default=[], metavar="KEY=VALUE",
                     help="switch: a polyrl TrainConfig setting to change (repeatable), e.g. skip_zero_adv=no")
+    ap.add_argument("--switch-size", type=lambda s: tuple(int(v) for v in s.split("x")), default=None,
+                    metavar="HIDDENxLAYERS", help="switch: a scaling model (digit reward, --size-length tokens, "
+                    "--stop lengths) instead of the demo's warm start")
     ap.add_argument("--mem-hidden", type=int, default=640)
     ap.add_argument("--mem-layers", type=int, default=10)
     ap.add_argument("--mem-vocab", type=int, default=152064)
@@ -536,7 +541,11 @@ def main() -> None:
             if not args.polyrl_set or not all("=" in kv for kv in args.polyrl_set):
                 sys.exit("switch needs --polyrl-set KEY=VALUE (e.g. skip_zero_adv=no)")
             changes = {k: _value(v) for k, v in (kv.split("=", 1) for kv in args.polyrl_set)}
-            result = switched({**base, "model": demo_model(), "lr": args.lr}, args.rounds, changes)
+            spec = {**base, "model": demo_model(), "lr": args.lr}
+            if args.switch_size:
+                model = scaling_model(Path(tmp) / "switch", *args.switch_size, fixed=args.stop == "fixed")
+                spec.update(model=model, reward="digits", max_new_tokens=args.size_length)
+            result = switched(spec, args.rounds, changes)
             write("switch", result)
             print(json.dumps({k: v for k, v in result.items() if k != "spec"}, indent=2))
         elif args.what == "memory":

@@ -94,6 +94,7 @@ class TrainPlan:
     changes: dict[str, list] = field(default_factory=dict)  # resume: {setting: [saved, new]}
     resume_step: int | None = None  # resume: the checkpoint's step
     notes: list[str] = field(default_factory=list)  # what the builder added or assumed, for the console
+    replaced: Path | None = None  # --overwrite: the old run, set aside until the new one starts (runs.settle_replaced)
 
 
 def resolve_train(args: argparse.Namespace) -> TrainPlan:
@@ -164,10 +165,10 @@ def resolve_train(args: argparse.Namespace) -> TrainPlan:
         cfg.resume_from, plan.resume_step = str(checkpoint), int(meta["step"])
     elif world()[0] != 0:  # ranks > 0 of a multi-process run leave the run directory to rank 0
         pass
-    elif cfg.overwrite:  # only an empty directory or a polyrl run is cleared; anything else is refused
-        from polyrl.runs import clear_run_dir
+    elif cfg.overwrite:  # only an empty directory or a polyrl run is replaced; anything else is refused
+        from polyrl.runs import set_aside_run
 
-        clear_run_dir(run_dir, inputs={**vars(flat(cfg)), "config": getattr(args, "config", None)})
+        plan.replaced = set_aside_run(run_dir, inputs={**vars(flat(cfg)), "config": getattr(args, "config", None)})
     elif latest_checkpoint(run_dir) is not None:
         raise ConfigError(f"run_dir = {run_dir!r} already holds checkpoints; pass --resume to continue it, "
                           "--overwrite to start over, or another --run-dir")

@@ -195,6 +195,20 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    from polyrl.launch import world
+    from polyrl.runs import settle_replaced
+
+    global console
+    if world()[0] != 0:  # one rank of several speaks and writes the run directory: rank 0
+        console = Console(quiet=True)
+    plan = resolve_train(args)  # --overwrite sets the old run aside: deleted once the new one starts, else put back
+    try:
+        return _train_plan(args, plan)
+    finally:
+        settle_replaced(plan.run_dir, plan.replaced)
+
+
+def _train_plan(args: argparse.Namespace, plan) -> int:
     from polyrl.catalog import method_dict
     from polyrl.config import to_dict
     from polyrl.launch import relaunch, under_launcher, world
@@ -202,10 +216,6 @@ def cmd_train(args: argparse.Namespace) -> int:
     from polyrl.runs import record_resume, write_record
     from polyrl.trainer import train
 
-    global console
-    if world()[0] != 0:  # one rank of several speaks and writes the run directory: rank 0
-        console = Console(quiet=True)
-    plan = resolve_train(args)
     for note in plan.notes:
         console.print(note)
     cfg, method, task, run_dir = plan.cfg, plan.method, plan.task, plan.run_dir

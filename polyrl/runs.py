@@ -107,18 +107,63 @@ def clear_run_dir(run_dir: str | Path, *, inputs: dict[str, Any] | None = None) 
     and nothing is deleted."""
     import shutil
 
+    if _replaceable(Path(run_dir), inputs):
+        shutil.rmtree(run_dir)
+
+
+def set_aside_run(run_dir: str | Path, *, inputs: dict[str, Any] | None = None) -> Path | None:
+    """``--overwrite`` without losing the old run to a refusal: what ``clear_run_dir`` would delete is moved to a hidden
+    sibling (returned; None when there was nothing to move), and ``settle_replaced`` deletes it once the new run has
+    started or puts it back when the command stopped before that (a setting refused while the model was loaded)."""
+    import shutil
+
     run = Path(run_dir)
-    if not run.exists() and not run.is_symlink():
+    if not _replaceable(run, inputs):
+        return None
+    aside = run.parent / f".{run.name}.replaced"
+    if aside.exists():  # left by a command that was killed in between: a run already given up for this one
+        shutil.rmtree(aside)
+    run.rename(aside)
+    return aside
+
+
+def run_started(run_dir: str | Path) -> bool:
+    """Whether a new run in ``run_dir`` got past building its parts: it wrote more than its ``config.json``."""
+    run = Path(run_dir)
+    return run.is_dir() and any(p.name != CONFIG for p in run.iterdir())
+
+
+def settle_replaced(run_dir: str | Path, aside: Path | None) -> None:
+    """After a ``train`` command with ``--overwrite``: delete the old run set aside (``set_aside_run``) when the new
+    run started, else remove what the new run wrote (its ``config.json``) and put the old run back in place."""
+    import shutil
+
+    if aside is None or not aside.exists():
         return
+    run = Path(run_dir)
+    if run_started(run):
+        shutil.rmtree(aside)
+        return
+    if run.is_dir():
+        (run / CONFIG).unlink(missing_ok=True)
+        run.rmdir()
+    aside.rename(run)
+
+
+def _replaceable(run: Path, inputs: dict[str, Any] | None) -> bool:
+    """Whether ``run`` has something for ``--overwrite`` to remove (False: no directory or an empty one); anything
+    ``clear_run_dir`` must not remove raises ConfigError in one line."""
+    if not run.exists() and not run.is_symlink():
+        return False
     if run.is_symlink() or not run.is_dir():
-        raise ConfigError(f"run_dir = {str(run_dir)!r} is {'a symlink' if run.is_symlink() else 'a file'}, not a run "
+        raise ConfigError(f"run_dir = {str(run)!r} is {'a symlink' if run.is_symlink() else 'a file'}, not a run "
                           "directory; --overwrite clears only a run directory: choose another --run-dir")
     entries = sorted(p.name for p in run.iterdir())
     if not entries:
-        return
+        return False
     here = Path.cwd().resolve()
     if run.resolve() == here or run.resolve() in here.parents:
-        raise ConfigError(f"run_dir = {str(run_dir)!r} is the current directory or one above it; --overwrite "
+        raise ConfigError(f"run_dir = {str(run)!r} is the current directory or one above it; --overwrite "
                           "will not delete it: choose another --run-dir")
     root = run.resolve()
     for name, value in (inputs or {}).items():
@@ -128,17 +173,16 @@ def clear_run_dir(run_dir: str | Path, *, inputs: dict[str, Any] | None = None) 
         for piece in {q for p in pieces for q in (str(p).strip(), str(p).strip().rpartition(":")[0]) if q}:
             where = Path(piece).expanduser()
             if where.exists() and (where.resolve() == root or root in where.resolve().parents):
-                raise ConfigError(f"run_dir = {str(run_dir)!r} holds {name} = {str(value)!r}, which this run reads; "
+                raise ConfigError(f"run_dir = {str(run)!r} holds {name} = {str(value)!r}, which this run reads; "
                                   "--overwrite will not delete it: move it out or choose another --run-dir")
     held = run_contents(run)
     nested = [p.name for p in run.iterdir() if p.is_dir() and p.name != "checkpoints" and run_contents(p)]
     if held and not nested:
-        shutil.rmtree(run)
-        return
+        return True
     what = f"{len(entries)} entr{'y' if len(entries) == 1 else 'ies'} ({', '.join(entries[:4])}" + \
         (", ...)" if len(entries) > 4 else ")")
     why = f"other runs in {', '.join(nested[:3])}" if nested else "no polyrl run"
-    raise ConfigError(f"run_dir = {str(run_dir)!r} holds {what} and {why}; --overwrite clears only an empty "
+    raise ConfigError(f"run_dir = {str(run)!r} holds {what} and {why}; --overwrite clears only an empty "
                       "directory or a single polyrl run (config.json with a \"config\" object, metrics.jsonl, "
                       "summary.json, checkpoints/step_*): move those files or choose another --run-dir")
 

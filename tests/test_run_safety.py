@@ -120,6 +120,51 @@ def test_overwrite_still_clears_a_run(run, tiny_model, capsys):
     assert [p.name for p in list_checkpoints(run)] == ["step_000001"]
 
 
+def test_overwrite_refused_while_the_model_loads_keeps_the_old_run(run, tiny_model, capsys):
+    """A setting that only the loaded model can refuse (LoRA targets) stops the command after --overwrite was
+    accepted: the old run is put back as it was, and nothing is left beside it."""
+    before = {p.relative_to(run): p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    code, err = _cli([*_small(tiny_model, run), "--steps", "1", "--overwrite", "--lora-rank", "2",
+                      "--lora-targets", "no_such_proj"], capsys)
+    _one_line(code, err, "lora_targets = 'no_such_proj'")
+    assert {p.relative_to(run): p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
+    assert sorted(p.name for p in run.parent.iterdir()) == ["run"]
+    code, err = _cli([*_small(tiny_model, run), "--steps", "1", "--overwrite"], capsys)  # the corrected command
+    assert code == 0, err
+    assert [p.name for p in list_checkpoints(run)] == ["step_000001"]
+    assert sorted(p.name for p in run.parent.iterdir()) == ["run"]  # the old run is gone once the new one ran
+
+
+def test_settle_replaced_deletes_the_old_run_once_the_new_one_started(tmp_path):
+    from polyrl.runs import set_aside_run, settle_replaced
+
+    def old_run(path):
+        _save(path, 1, 0.5)
+        (path / "metrics.jsonl").write_text('{"step": 0}\n')
+
+    for started, kept in ((False, 0.5), (True, None)):
+        run = tmp_path / f"run{int(started)}"
+        old_run(run)
+        aside = set_aside_run(run)
+        assert not run.exists() and aside.parent == tmp_path and aside.name.startswith(".")
+        run.mkdir()
+        (run / "config.json").write_text('{"config": {}}')  # what a new run writes before its parts are built
+        if started:
+            (run / "metrics.jsonl").write_text('{"step": 0}\n')
+        settle_replaced(run, aside)
+        assert not aside.exists()
+        if kept is None:
+            assert not (run / "checkpoints").exists() and (run / "metrics.jsonl").exists()
+        else:
+            assert _weight(latest_checkpoint(run)) == kept and (run / "metrics.jsonl").read_text() == '{"step": 0}\n'
+    assert set_aside_run(tmp_path / "missing") is None
+    stale = tmp_path / "again"  # a set-aside copy left by a killed command is replaced by the next one
+    old_run(stale)
+    (tmp_path / ".again.replaced").mkdir()
+    assert set_aside_run(stale) == tmp_path / ".again.replaced"
+    assert (tmp_path / ".again.replaced" / "checkpoints").is_dir()
+
+
 def test_overwrite_never_deletes_a_file_the_run_reads(run, tiny_model, tmp_path, capsys):
     inside = run / "model"
     shutil.copytree(tiny_model, inside)  # say, a model exported into the old run's directory
