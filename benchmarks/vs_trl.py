@@ -4,6 +4,8 @@
     .venv/bin/python benchmarks/vs_trl.py demo     # the demo settings: per-phase medians, paired ratios
     .venv/bin/python benchmarks/vs_trl.py scaling  # completion length 8..512 and model size ~1M..66M, with plots
                                                    # (--stop natural: completions end at EOS; --stop fixed: never)
+                                                   # and each framework's marginal cost of length
+    .venv/bin/python benchmarks/vs_trl.py replot   # redraw the plots and the decomposition from the results files
     .venv/bin/python benchmarks/vs_trl.py accuracy # held-out accuracy after 200 steps, 3 seeds each
     .venv/bin/python benchmarks/vs_trl.py memory   # peak memory of one training step, ~50M model, vocab 152k, T=512
     .venv/bin/python benchmarks/vs_trl.py profile  # torch.profiler's operator table of both, over the timed steps
@@ -416,6 +418,51 @@ def write(name: str, result: dict) -> None:
     (RESULTS / f"{name}.json").write_text(json.dumps(result, indent=2))
 
 
+def decompose(points: list[dict]) -> dict:
+    """Where a step's time goes as completions grow, from the length sweep.
+
+    Between consecutive lengths: each framework's extra seconds per extra generated token (the step's marginal cost
+    of length; each framework counts its own tokens) and their ratio. At the shortest length: the part of a step that
+    does not grow with length, its seconds minus its tokens times that first marginal cost (prompt, optimizer step,
+    the framework's own per-step work). A whole step's ratio starts near the fixed parts' ratio and moves toward the
+    marginal ratio as completions grow."""
+    pts = [p for p in points if p["sweep"] == "length"]
+    steps = []
+    for a, b in zip(pts, pts[1:]):
+        row: dict = {"from": a["max_new_tokens"], "to": b["max_new_tokens"]}
+        for fw in ("polyrl", "trl"):
+            extra = b[f"{fw}_gen_tokens"] - a[f"{fw}_gen_tokens"]
+            row[f"{fw}_ms_per_token"] = 1e3 * (b[f"{fw}_step_s"] - a[f"{fw}_step_s"]) / extra
+        row["ratio"] = row["polyrl_ms_per_token"] / row["trl_ms_per_token"]
+        steps.append(row)
+    if not steps:
+        return {"marginal": [], "fixed": {}}
+    first = pts[0]
+    fixed = {fw: first[f"{fw}_step_s"] - first[f"{fw}_gen_tokens"] * steps[0][f"{fw}_ms_per_token"] / 1e3
+             for fw in ("polyrl", "trl")}
+    fixed["at"] = first["max_new_tokens"]
+    return {"marginal": steps, "fixed": fixed}
+
+
+def show_decomposition(parts: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    if not parts["marginal"]:
+        return
+    table = Table(title="marginal cost of length: extra seconds per extra generated token (whole step)")
+    for col in ("lengths", "polyrl ms/token", "TRL ms/token", "polyrl/TRL"):
+        table.add_column(col)
+    for r in parts["marginal"]:
+        table.add_row(f"{r['from']} -> {r['to']}", f"{r['polyrl_ms_per_token']:.3f}", f"{r['trl_ms_per_token']:.3f}",
+                      f"{r['ratio']:.2f}")
+    console = Console()
+    console.print(table)
+    f = parts["fixed"]
+    console.print(f"part of a step that does not grow with length (at {f['at']} tokens): polyrl {f['polyrl']:.3f} s, "
+                  f"TRL {f['trl']:.3f} s")
+
+
 def show(title: str, rows: list[tuple[str, dict]]) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -473,10 +520,14 @@ def main() -> None:
     ap.add_argument("--mem-vocab", type=int, default=152064)
     ap.add_argument("--mem-length", type=int, default=512)
     args = ap.parse_args()
-    if args.what == "replot":  # redraw the scaling plots from their results files
+    if args.what == "replot":  # redraw the scaling plots from their results files; print where the time goes
         for path in sorted(RESULTS.glob("scaling-*.json")):
             result = json.loads(path.read_text())
             plot_scaling(result["points"], path.with_suffix(".png"), result["stop"])
+            result["decomposition"] = decompose(result["points"])
+            path.write_text(json.dumps(result, indent=2))
+            print(f"{path.name}:")
+            show_decomposition(result["decomposition"])
         return
     if not Path(args.trl_python).exists():
         sys.exit(f"--trl-python {args.trl_python} not found: run `make trl-venv` first")
@@ -503,11 +554,13 @@ def main() -> None:
                                **paired(spec, args.rounds, args.trl_python, f"hidden {hidden} x {layers} layers")})
             for p in points:
                 p.setdefault("max_new_tokens", p["spec"]["max_new_tokens"])
-            write(f"scaling-{args.stop}", {"stop": args.stop, "points": points})
+            parts = decompose(points)
+            write(f"scaling-{args.stop}", {"stop": args.stop, "points": points, "decomposition": parts})
             plot_scaling(points, RESULTS / f"scaling-{args.stop}.png", args.stop)
             show(f"polyrl vs TRL ({args.stop} lengths): completion length (~1M model) and model size "
                  f"({args.size_length} tokens)",
                  [(f"{p['sweep']} {p['max_new_tokens']} tok, {p['params_m']:.1f}M", p) for p in points])
+            show_decomposition(parts)
         elif args.what == "accuracy":
             rows = json.loads(prompts.read_text())["test"]
             result: dict = {"steps": args.steps, "seeds": args.seeds, "polyrl": [], "trl": []}
