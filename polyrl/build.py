@@ -94,7 +94,8 @@ class TrainPlan:
     changes: dict[str, list] = field(default_factory=dict)  # resume: {setting: [saved, new]}
     resume_step: int | None = None  # resume: the checkpoint's step
     notes: list[str] = field(default_factory=list)  # what the builder added or assumed, for the console
-    replaced: Path | None = None  # --overwrite: the old run, set aside until the new one starts (runs.settle_replaced)
+    replace: bool = False  # --overwrite found a run in run_dir: cmd_train sets it aside until the new one starts
+    replaced: Path | None = None  # where it was set aside (runs.set_aside_run)
 
 
 def resolve_train(args: argparse.Namespace) -> TrainPlan:
@@ -160,15 +161,20 @@ def resolve_train(args: argparse.Namespace) -> TrainPlan:
 
         check_warmstart(cfg.task)
     plan = TrainPlan(cfg, method, task, run_dir, overrides, changes, notes=notes)
+    if world()[0] == 0:  # an old run that a killed --overwrite left set aside: back in place, or gone if replaced
+        from polyrl.runs import recover_replaced
+
+        if (note := recover_replaced(run_dir)) is not None:
+            notes.append(note)
     if cfg.resume:
         checkpoint, meta = resume_checkpoint(run_dir, cfg.resume_from)
         cfg.resume_from, plan.resume_step = str(checkpoint), int(meta["step"])
     elif world()[0] != 0:  # ranks > 0 of a multi-process run leave the run directory to rank 0
         pass
     elif cfg.overwrite:  # only an empty directory or a polyrl run is replaced; anything else is refused
-        from polyrl.runs import set_aside_run
+        from polyrl.runs import replaceable
 
-        plan.replaced = set_aside_run(run_dir, inputs={**vars(flat(cfg)), "config": getattr(args, "config", None)})
+        plan.replace = replaceable(run_dir, inputs={**vars(flat(cfg)), "config": getattr(args, "config", None)})
     elif latest_checkpoint(run_dir) is not None:
         raise ConfigError(f"run_dir = {run_dir!r} already holds checkpoints; pass --resume to continue it, "
                           "--overwrite to start over, or another --run-dir")

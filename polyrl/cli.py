@@ -9,10 +9,13 @@ torch and transformers are imported only by the commands that need them: `method
 from __future__ import annotations
 
 import argparse
+import contextlib
 import difflib
 import json
 import os
+import signal
 import sys
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -21,7 +24,14 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from polyrl.build import add_method_args, add_train_args, method_from_overrides, part_changes, resolve_train
+from polyrl.build import (
+    TrainPlan,
+    add_method_args,
+    add_train_args,
+    method_from_overrides,
+    part_changes,
+    resolve_train,
+)
 from polyrl.config import ConfigError
 from polyrl.errors import CheckpointError, RewardError, TrainingError
 from polyrl.registry import ALL_REGISTRIES, PartError, unknown
@@ -195,25 +205,63 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from polyrl.launch import world
-    from polyrl.runs import settle_replaced
+    from polyrl.launch import under_launcher, world
+    from polyrl.runs import set_aside_run
 
     global console
     if world()[0] != 0:  # one rank of several speaks and writes the run directory: rank 0
         console = Console(quiet=True)
-    plan = resolve_train(args)  # --overwrite sets the old run aside: deleted once the new one starts, else put back
+    plan = resolve_train(args)
+    # --overwrite moves the old run aside; the trainer deletes it once its parts are built, and a command that ends
+    # before that (a refusal while the model loads, Ctrl-C, SIGTERM) puts it back. With --nproc the rank-0 process
+    # that this one launches does it.
+    relaunching = plan.cfg.scale.nproc > 1 and not under_launcher()
+    with _signals_unwind():
+        try:
+            if plan.replace and not relaunching:
+                plan.replaced = set_aside_run(plan.run_dir)
+            return _train_plan(args, plan)
+        finally:
+            _settle_replaced(args, plan)
+
+
+@contextlib.contextmanager
+def _signals_unwind():
+    """SIGTERM and SIGHUP raise SystemExit(128 + signal) while the command runs, so that its ``finally`` blocks run
+    (as they do on Ctrl-C) instead of the process vanishing mid-way; the previous handlers come back after."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum, _frame):
+        raise SystemExit(128 + signum)
+
+    previous = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGHUP)}
     try:
-        return _train_plan(args, plan)
+        yield
     finally:
-        settle_replaced(plan.run_dir, plan.replaced)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
-def _train_plan(args: argparse.Namespace, plan) -> int:
+def _settle_replaced(args: argparse.Namespace, plan: TrainPlan) -> None:
+    """Put back or delete the old run ``--overwrite`` set aside (``runs.settle_replaced``); if the file system refuses,
+    say where it is in one line and let the command's own outcome stand."""
+    from polyrl.runs import settle_replaced
+
+    try:
+        args.restored_run = settle_replaced(plan.run_dir, plan.replaced)
+    except OSError as e:
+        print(f"polyrl: warning: the old run of {plan.run_dir} is still in {plan.replaced} ({e.strerror or e}); "
+              "move it back or delete it by hand", file=sys.stderr)
+
+
+def _train_plan(args: argparse.Namespace, plan: TrainPlan) -> int:
     from polyrl.catalog import method_dict
     from polyrl.config import to_dict
     from polyrl.launch import relaunch, under_launcher, world
     from polyrl.learner.dist import leave
-    from polyrl.runs import record_resume, write_record
+    from polyrl.runs import drop_replaced, record_resume, write_record
     from polyrl.trainer import train
 
     for note in plan.notes:
@@ -252,7 +300,8 @@ def _train_plan(args: argparse.Namespace, plan) -> int:
         console.print_json(json.dumps(to_dict(cfg)))
     console.print(f"method: {method.name} = " + "; ".join(f"{k} {v}" for k, v in method.parts().items() if v))
     try:
-        summary = train(cfg, method, model_dir=cfg.model, task=task, run_dir=run_dir, console=console)
+        summary = train(cfg, method, model_dir=cfg.model, task=task, run_dir=run_dir, console=console,
+                        on_start=lambda: drop_replaced(plan.replaced))
     except Exception:
         if not cfg.resume:
             _forget_unstarted(Path(run_dir), created)
@@ -536,6 +585,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         run_dir = getattr(args, "resolved_run_dir", None)  # set by cmd_train once the run directory is known
         if args.command == "compare":
             how = "; run the same command again to resume (finished runs are kept, interrupted ones resumed)"
+        elif args.command == "train" and getattr(args, "restored_run", False):
+            how = (f" before the new run started; the old run in {run_dir} is as it was (start again with "
+                   "--overwrite)")
         elif args.command == "train" and run_dir is not None and Path(run_dir).is_dir():
             from polyrl.checkpoint import latest_checkpoint
 

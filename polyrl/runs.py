@@ -107,24 +107,49 @@ def clear_run_dir(run_dir: str | Path, *, inputs: dict[str, Any] | None = None) 
     and nothing is deleted."""
     import shutil
 
-    if _replaceable(Path(run_dir), inputs):
+    if replaceable(run_dir, inputs=inputs):
         shutil.rmtree(run_dir)
 
 
-def set_aside_run(run_dir: str | Path, *, inputs: dict[str, Any] | None = None) -> Path | None:
-    """``--overwrite`` without losing the old run to a refusal: what ``clear_run_dir`` would delete is moved to a hidden
-    sibling (returned; None when there was nothing to move), and ``settle_replaced`` deletes it once the new run has
-    started or puts it back when the command stopped before that (a setting refused while the model was loaded)."""
-    import shutil
+# `polyrl train --overwrite` does not delete the old run before the new one can be refused (a setting checked while
+# the model loads): ``set_aside_run`` moves it to a hidden sibling, the trainer calls ``drop_replaced`` once its parts
+# are built, and ``settle_replaced`` puts it back when the command ended before that. ``recover_replaced`` finishes
+# the job of a command that was killed in between.
+def replaceable(run_dir: str | Path, *, inputs: dict[str, Any] | None = None) -> bool:
+    """Whether ``--overwrite`` has a run to remove in ``run_dir`` (False: no directory, or an empty one); what it must
+    not remove (see ``clear_run_dir``) is refused in one line naming run_dir."""
+    return _replaceable(Path(run_dir), inputs)
 
+
+def aside_path(run_dir: str | Path) -> Path:
+    """Where ``--overwrite`` keeps the old run until the new one has started: ``.NAME.replaced`` beside it (a long
+    name is cut and tagged with its hash, so the hidden name stays within the file system's limit)."""
     run = Path(run_dir)
-    if not _replaceable(run, inputs):
-        return None
-    aside = run.parent / f".{run.name}.replaced"
-    if aside.exists():  # left by a command that was killed in between: a run already given up for this one
-        shutil.rmtree(aside)
-    run.rename(aside)
+    name = run.resolve().name if run.name in ("", ".", "..") else run.name
+    if len(name.encode()) > 200:
+        import hashlib
+
+        name = f"{name.encode()[:160].decode(errors='ignore')}-{hashlib.sha256(name.encode()).hexdigest()[:12]}"
+    return run.parent / f".{name}.replaced"
+
+
+def set_aside_run(run_dir: str | Path) -> Path:
+    """Move the old run in ``run_dir`` (``replaceable`` said there is one) to ``aside_path``; return that path.
+    A move the file system refuses is a one-line ConfigError, and the old run stays where it was."""
+    run, aside = Path(run_dir), aside_path(run_dir)
+    _remove(aside)  # an old run given up by a started run, left by a killed command (recover_replaced keeps others)
+    try:
+        run.rename(aside)
+    except OSError as e:
+        raise ConfigError(f"run_dir = {str(run_dir)!r}: --overwrite cannot set the old run aside as {aside.name} "
+                          f"({e.strerror or e}); it is unchanged: choose another --run-dir") from None
     return aside
+
+
+def drop_replaced(aside: Path | None) -> None:
+    """Delete the old run set aside for ``--overwrite``: the new run has started (its parts are built)."""
+    if aside is not None:
+        _remove(aside)
 
 
 def run_started(run_dir: str | Path) -> bool:
@@ -133,21 +158,45 @@ def run_started(run_dir: str | Path) -> bool:
     return run.is_dir() and any(p.name != CONFIG for p in run.iterdir())
 
 
-def settle_replaced(run_dir: str | Path, aside: Path | None) -> None:
-    """After a ``train`` command with ``--overwrite``: delete the old run set aside (``set_aside_run``) when the new
-    run started, else remove what the new run wrote (its ``config.json``) and put the old run back in place."""
-    import shutil
-
-    if aside is None or not aside.exists():
-        return
+def settle_replaced(run_dir: str | Path, aside: Path | None) -> bool:
+    """At the end of a ``train --overwrite`` command: when the old run is still set aside and the new run did not
+    start, remove what it wrote (its ``config.json``) and put the old run back (True); when it started, delete the
+    old run (False). Nothing to do: False."""
+    if aside is None or not (aside.exists() or aside.is_symlink()):
+        return False
     run = Path(run_dir)
     if run_started(run):
-        shutil.rmtree(aside)
-        return
+        _remove(aside)
+        return False
     if run.is_dir():
         (run / CONFIG).unlink(missing_ok=True)
         run.rmdir()
     aside.rename(run)
+    return True
+
+
+def recover_replaced(run_dir: str | Path) -> str | None:
+    """A ``--overwrite`` killed before it ended (SIGKILL, out of memory) may have left the old run set aside: put it
+    back when the new run never started, delete it when it did. Returns a line saying what was put back, or None."""
+    aside = aside_path(run_dir)
+    if not aside.is_dir() or aside.is_symlink():
+        return None
+    try:
+        if settle_replaced(run_dir, aside):
+            return f"put back the run in {run_dir}: an earlier --overwrite stopped before its new run started"
+    except OSError as e:
+        raise ConfigError(f"run_dir = {str(run_dir)!r}: an earlier --overwrite left the old run in {str(aside)!r}, "
+                          f"which cannot be put back ({e.strerror or e}); move it back by hand") from None
+    return None
+
+
+def _remove(path: Path) -> None:
+    import shutil
+
+    if path.is_symlink() or path.is_file():
+        path.unlink()
+    elif path.exists():
+        shutil.rmtree(path)
 
 
 def _replaceable(run: Path, inputs: dict[str, Any] | None) -> bool:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -81,13 +82,17 @@ def _restore(parts: Components, path: Path) -> TrainState:
 
 
 def train(cfg: TrainConfig, method: Method, *, model_dir: str, task: Task, run_dir: str,
-          console: Console | None = None) -> dict[str, Any]:
-    """Run RL training as configured; return the summary also written to ``run_dir/summary.json``."""
+          console: Console | None = None, on_start: Callable[[], None] | None = None) -> dict[str, Any]:
+    """Run RL training as configured; return the summary also written to ``run_dir/summary.json``. ``on_start`` is
+    called once the parts are built, when no setting can refuse the run any more (the CLI drops the run that
+    ``--overwrite`` replaces)."""
     from polyrl.build import build_components
 
     _seed_everything(cfg.seed)
     parts = build_components(cfg, method, task, model_dir)
     try:
+        if on_start is not None:
+            on_start()
         return _train(cfg, method, parts, task=parts.task, model_dir=model_dir, run_dir=run_dir, console=console)
     finally:
         parts.source.close()  # rollout workers and Ray stop whatever happened, before the loop too

@@ -135,34 +135,109 @@ def test_overwrite_refused_while_the_model_loads_keeps_the_old_run(run, tiny_mod
     assert sorted(p.name for p in run.parent.iterdir()) == ["run"]  # the old run is gone once the new one ran
 
 
-def test_settle_replaced_deletes_the_old_run_once_the_new_one_started(tmp_path):
-    from polyrl.runs import set_aside_run, settle_replaced
+def test_the_old_run_is_gone_once_the_new_one_has_started(run, tiny_model, capsys, monkeypatch):
+    """Not at the end of the command: both runs are never on disk for the length of a training."""
+    import polyrl.trainer
+    from polyrl.runs import aside_path
+
+    seen = []
+    real = polyrl.trainer._train
+
+    def first_step_sees(*a, **k):
+        seen.append((aside_path(run).exists(), (run / "config.json").exists()))
+        return real(*a, **k)
+
+    monkeypatch.setattr(polyrl.trainer, "_train", first_step_sees)
+    code, err = _cli([*_small(tiny_model, run), "--steps", "1", "--overwrite"], capsys)
+    assert code == 0, err
+    assert seen == [(False, True)] and not aside_path(run).exists()
+
+
+def test_ctrl_c_while_the_new_run_is_built_puts_the_old_one_back(run, tiny_model, capsys, monkeypatch):
+    import polyrl.build
+
+    before = {p.relative_to(run): p.read_bytes() for p in run.rglob("*") if p.is_file()}
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(polyrl.build, "build_components", interrupted)
+    code, err = _cli([*_small(tiny_model, run), "--steps", "1", "--overwrite"], capsys)
+    assert code == 130 and len(err.splitlines()) == 1, err
+    assert f"the old run in {run} is as it was (start again with --overwrite)" in err
+    assert {p.relative_to(run): p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
+    assert sorted(p.name for p in run.parent.iterdir()) == ["run"]
+
+
+def test_a_failing_put_back_is_one_warning_and_the_refusal_stays_the_answer(run, tiny_model, capsys, monkeypatch):
+    import polyrl.runs
+
+    def refused(*a, **k):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(polyrl.runs, "settle_replaced", refused)
+    code, err = _cli([*_small(tiny_model, run), "--steps", "1", "--overwrite", "--lora-rank", "2",
+                      "--lora-targets", "no_such_proj"], capsys)
+    lines = err.splitlines()
+    assert code == 2 and len(lines) == 2 and "Traceback" not in err, err
+    assert "warning: the old run of" in lines[0] and ".run.replaced (Permission denied)" in lines[0]
+    assert "lora_targets = 'no_such_proj'" in lines[1]
+
+
+def test_sigterm_unwinds_the_command_like_ctrl_c():
+    import signal
+
+    from polyrl.cli import _signals_unwind
+
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(SystemExit) as stopped, _signals_unwind():
+        os.kill(os.getpid(), signal.SIGTERM)
+    assert stopped.value.code == 128 + signal.SIGTERM and signal.getsignal(signal.SIGTERM) is before
+
+
+def test_an_old_run_left_aside_by_a_killed_command_is_put_back_or_dropped(tmp_path):
+    from polyrl.runs import aside_path, recover_replaced, set_aside_run, settle_replaced
 
     def old_run(path):
         _save(path, 1, 0.5)
         (path / "metrics.jsonl").write_text('{"step": 0}\n')
 
-    for started, kept in ((False, 0.5), (True, None)):
-        run = tmp_path / f"run{int(started)}"
+    for new_run in ("nothing", "a stub", "started"):  # what the killed command had written in run_dir
+        run = tmp_path / new_run.replace(" ", "_")
         old_run(run)
         aside = set_aside_run(run)
-        assert not run.exists() and aside.parent == tmp_path and aside.name.startswith(".")
-        run.mkdir()
-        (run / "config.json").write_text('{"config": {}}')  # what a new run writes before its parts are built
-        if started:
+        assert aside == aside_path(run) and not run.exists() and aside.name.startswith(".")
+        if new_run != "nothing":
+            run.mkdir()
+            (run / "config.json").write_text('{"config": {}}')  # written before the parts are built
+        if new_run == "started":
             (run / "metrics.jsonl").write_text('{"step": 0}\n')
-        settle_replaced(run, aside)
+        note = recover_replaced(run)
         assert not aside.exists()
-        if kept is None:
-            assert not (run / "checkpoints").exists() and (run / "metrics.jsonl").exists()
+        if new_run == "started":  # the old run had been replaced: dropped, the new one untouched
+            assert note is None and not (run / "checkpoints").exists() and (run / "metrics.jsonl").exists()
         else:
-            assert _weight(latest_checkpoint(run)) == kept and (run / "metrics.jsonl").read_text() == '{"step": 0}\n'
-    assert set_aside_run(tmp_path / "missing") is None
-    stale = tmp_path / "again"  # a set-aside copy left by a killed command is replaced by the next one
-    old_run(stale)
-    (tmp_path / ".again.replaced").mkdir()
-    assert set_aside_run(stale) == tmp_path / ".again.replaced"
-    assert (tmp_path / ".again.replaced" / "checkpoints").is_dir()
+            assert "put back the run in" in note and _weight(latest_checkpoint(run)) == 0.5
+            assert not settle_replaced(run, aside)  # nothing left to settle
+    assert recover_replaced(tmp_path / "never") is None
+
+
+def test_setting_aside_names_and_refusals(tmp_path, monkeypatch):
+    from polyrl.runs import aside_path, set_aside_run
+
+    long = tmp_path / ("r" * 250)
+    assert len(aside_path(long).name.encode()) <= 255 and aside_path(long) != aside_path(tmp_path / ("r" * 251))
+    run = tmp_path / "run"
+    _save(run, 1, 0.5)
+
+    def refused(self, target):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(Path, "rename", refused)
+    with pytest.raises(ConfigError, match=r"^run_dir = .*cannot set the old run aside as \.run\.replaced "
+                                          r"\(Permission denied\); it is unchanged") as e:
+        set_aside_run(run)
+    assert "\n" not in str(e.value) and _weight(latest_checkpoint(run)) == 0.5
 
 
 def test_overwrite_never_deletes_a_file_the_run_reads(run, tiny_model, tmp_path, capsys):
