@@ -424,20 +424,24 @@ def decompose(points: list[dict]) -> dict:
     Between consecutive lengths: each framework's extra seconds per extra generated token (the step's marginal cost
     of length; each framework counts its own tokens) and their ratio. At the shortest length: the part of a step that
     does not grow with length, its seconds minus its tokens times that first marginal cost (prompt, optimizer step,
-    the framework's own per-step work). A whole step's ratio starts near the fixed parts' ratio and moves toward the
-    marginal ratio as completions grow."""
-    pts = [p for p in points if p["sweep"] == "length"]
+    the framework's own per-step work). A whole step's ratio lies between the fixed parts' ratio and the marginal
+    ratio, and moves toward the marginal ratio as completions grow. A pair of lengths where either framework
+    generated no more tokens at the longer one (a repeated length, natural lengths that came out equal) tells
+    nothing and is left out."""
+    pts = sorted((p for p in points if p["sweep"] == "length"), key=lambda p: p["max_new_tokens"])
     steps = []
     for a, b in zip(pts, pts[1:]):
+        extra = {fw: b[f"{fw}_gen_tokens"] - a[f"{fw}_gen_tokens"] for fw in ("polyrl", "trl")}
+        if min(extra.values()) <= 0:
+            continue
         row: dict = {"from": a["max_new_tokens"], "to": b["max_new_tokens"]}
         for fw in ("polyrl", "trl"):
-            extra = b[f"{fw}_gen_tokens"] - a[f"{fw}_gen_tokens"]
-            row[f"{fw}_ms_per_token"] = 1e3 * (b[f"{fw}_step_s"] - a[f"{fw}_step_s"]) / extra
+            row[f"{fw}_ms_per_token"] = 1e3 * (b[f"{fw}_step_s"] - a[f"{fw}_step_s"]) / extra[fw]
         row["ratio"] = row["polyrl_ms_per_token"] / row["trl_ms_per_token"]
         steps.append(row)
     if not steps:
         return {"marginal": [], "fixed": {}}
-    first = pts[0]
+    first = next(p for p in pts if p["max_new_tokens"] == steps[0]["from"])
     fixed = {fw: first[f"{fw}_step_s"] - first[f"{fw}_gen_tokens"] * steps[0][f"{fw}_ms_per_token"] / 1e3
              for fw in ("polyrl", "trl")}
     fixed["at"] = first["max_new_tokens"]
@@ -480,6 +484,14 @@ def show(title: str, rows: list[tuple[str, dict]]) -> None:
     Console().print(table)
 
 
+def _size(text: str) -> tuple[int, int]:
+    """A --switch-size value: HIDDENxLAYERS, two positive integers."""
+    parts = text.split("x")
+    if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise argparse.ArgumentTypeError(f"{text!r} is not HIDDENxLAYERS (e.g. 320x8)")
+    return int(parts[0]), int(parts[1])
+
+
 def _value(text: str):
     """A --polyrl-set value: a JSON number or boolean, else the string."""
     try:
@@ -512,7 +524,7 @@ def main() -> None:
                     help="profile: 0 profiles the demo settings, N > 0 the natural-length scaling model at N tokens")
     ap.add_argument("--polyrl-set", action="append", default=[], metavar="KEY=VALUE",
                     help="switch: a polyrl TrainConfig setting to change (repeatable), e.g. skip_zero_adv=no")
-    ap.add_argument("--switch-size", type=lambda s: tuple(int(v) for v in s.split("x")), default=None,
+    ap.add_argument("--switch-size", type=_size, default=None,
                     metavar="HIDDENxLAYERS", help="switch: a scaling model (digit reward, --size-length tokens, "
                     "--stop lengths) instead of the demo's warm start")
     ap.add_argument("--mem-hidden", type=int, default=640)
@@ -554,6 +566,7 @@ def main() -> None:
                                **paired(spec, args.rounds, args.trl_python, f"hidden {hidden} x {layers} layers")})
             for p in points:
                 p.setdefault("max_new_tokens", p["spec"]["max_new_tokens"])
+            write(f"scaling-{args.stop}", {"stop": args.stop, "points": points})  # kept whatever follows
             parts = decompose(points)
             write(f"scaling-{args.stop}", {"stop": args.stop, "points": points, "decomposition": parts})
             plot_scaling(points, RESULTS / f"scaling-{args.stop}.png", args.stop)
@@ -594,10 +607,12 @@ def main() -> None:
             if not args.polyrl_set or not all("=" in kv for kv in args.polyrl_set):
                 sys.exit("switch needs --polyrl-set KEY=VALUE (e.g. skip_zero_adv=no)")
             changes = {k: _value(v) for k, v in (kv.split("=", 1) for kv in args.polyrl_set)}
-            spec = {**base, "model": demo_model(), "lr": args.lr}
             if args.switch_size:
                 model = scaling_model(Path(tmp) / "switch", *args.switch_size, fixed=args.stop == "fixed")
-                spec.update(model=model, reward="digits", max_new_tokens=args.size_length)
+                spec = {**base, "model": model, "reward": "digits", "max_new_tokens": args.size_length, "lr": args.lr}
+                spec["model_label"] = f"{'x'.join(map(str, args.switch_size))}, {args.stop} lengths"
+            else:
+                spec = {**base, "model": demo_model(), "lr": args.lr, "model_label": "demo warm start"}
             result = switched(spec, args.rounds, changes)
             write("switch", result)
             print(json.dumps({k: v for k, v in result.items() if k != "spec"}, indent=2))

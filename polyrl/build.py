@@ -114,6 +114,7 @@ def resolve_train(args: argparse.Namespace) -> TrainPlan:
     run_dir = given.run_dir or f"runs/{method_from_overrides(given.method, overrides).name}-{given.task}-s{given.seed}"
     changes: dict[str, list] = {}
     notes: list[str] = []
+    _recover_replaced(run_dir, notes)  # before anything reads the run directory (its config.json for --resume)
     if given.resume and not given.overwrite:
         values, overrides, changes = _resume_settings(run_dir, values, overrides, notes)
     cfg = build_config(values)
@@ -161,11 +162,6 @@ def resolve_train(args: argparse.Namespace) -> TrainPlan:
 
         check_warmstart(cfg.task)
     plan = TrainPlan(cfg, method, task, run_dir, overrides, changes, notes=notes)
-    if world()[0] == 0:  # an old run that a killed --overwrite left set aside: back in place, or gone if replaced
-        from polyrl.runs import recover_replaced
-
-        if (note := recover_replaced(run_dir)) is not None:
-            notes.append(note)
     if cfg.resume:
         checkpoint, meta = resume_checkpoint(run_dir, cfg.resume_from)
         cfg.resume_from, plan.resume_step = str(checkpoint), int(meta["step"])
@@ -182,6 +178,22 @@ def resolve_train(args: argparse.Namespace) -> TrainPlan:
         raise ConfigError(f"run_dir = {run_dir!r} already holds a run with no checkpoint to resume; pass "
                           "--overwrite to start over, or another --run-dir")
     return plan
+
+
+def _recover_replaced(run_dir: str, notes: list[str]) -> None:
+    """An old run that a killed ``--overwrite`` left set aside is put back (or dropped, if its replacement had
+    started) by rank 0 (``runs.recover_replaced``); the other ranks of a torchrun refuse rather than read the run
+    directory while it is being put back."""
+    from polyrl.launch import world
+    from polyrl.runs import aside_path, recover_replaced
+
+    if world()[0] != 0:
+        if aside_path(run_dir).is_dir():
+            raise ConfigError(f"run_dir = {run_dir!r}: an earlier --overwrite left the old run in "
+                              f"{str(aside_path(run_dir))!r}; run `polyrl train` on it in one process first")
+        return
+    if (note := recover_replaced(run_dir)) is not None:
+        notes.append(note)
 
 
 def _processes_from_launcher(cfg: TrainConfig, given: bool) -> None:

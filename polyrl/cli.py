@@ -228,7 +228,9 @@ def cmd_train(args: argparse.Namespace) -> int:
 @contextlib.contextmanager
 def _signals_unwind():
     """SIGTERM and SIGHUP raise SystemExit(128 + signal) while the command runs, so that its ``finally`` blocks run
-    (as they do on Ctrl-C) instead of the process vanishing mid-way; the previous handlers come back after."""
+    (as they do on Ctrl-C) instead of the process vanishing mid-way; a signal someone set to be ignored (nohup) or
+    handled stays so. Every handler the command may change (torch.distributed.run's launcher sets SIGINT, SIGQUIT,
+    SIGTERM and SIGHUP) comes back after it."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -236,12 +238,28 @@ def _signals_unwind():
     def stop(signum, _frame):
         raise SystemExit(128 + signum)
 
-    previous = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGHUP)}
+    previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGQUIT, signal.SIGTERM, signal.SIGHUP)}
+    for s in (signal.SIGTERM, signal.SIGHUP):
+        if previous[s] == signal.SIG_DFL:
+            signal.signal(s, stop)
     try:
         yield
     finally:
         for s, handler in previous.items():
-            signal.signal(s, handler)
+            if handler is not None:  # None: set outside Python, not restorable from here
+                signal.signal(s, handler)
+
+
+def _drop_replaced(plan: TrainPlan) -> None:
+    """The new run's parts are built: delete the old run ``--overwrite`` set aside; if the file system refuses, say
+    where it is in one line and train on."""
+    from polyrl.runs import drop_replaced
+
+    try:
+        drop_replaced(plan.replaced)
+    except OSError as e:
+        print(f"polyrl: warning: the replaced run of {plan.run_dir} could not be deleted ({e.strerror or e}); it is "
+              f"in {plan.replaced} or {plan.replaced}.deleting", file=sys.stderr)
 
 
 def _settle_replaced(args: argparse.Namespace, plan: TrainPlan) -> None:
@@ -261,7 +279,7 @@ def _train_plan(args: argparse.Namespace, plan: TrainPlan) -> int:
     from polyrl.config import to_dict
     from polyrl.launch import relaunch, under_launcher, world
     from polyrl.learner.dist import leave
-    from polyrl.runs import drop_replaced, record_resume, write_record
+    from polyrl.runs import record_resume, write_record
     from polyrl.trainer import train
 
     for note in plan.notes:
@@ -301,7 +319,7 @@ def _train_plan(args: argparse.Namespace, plan: TrainPlan) -> int:
     console.print(f"method: {method.name} = " + "; ".join(f"{k} {v}" for k, v in method.parts().items() if v))
     try:
         summary = train(cfg, method, model_dir=cfg.model, task=task, run_dir=run_dir, console=console,
-                        on_start=lambda: drop_replaced(plan.replaced))
+                        on_start=lambda: _drop_replaced(plan))
     except Exception:
         if not cfg.resume:
             _forget_unstarted(Path(run_dir), created)

@@ -133,11 +133,19 @@ def aside_path(run_dir: str | Path) -> Path:
     return run.parent / f".{name}.replaced"
 
 
+def _deleting(aside: Path) -> Path:
+    """Where an old run goes while it is deleted: a name recovery never puts back (a half-deleted run is no run)."""
+    return aside.with_name(aside.name + ".deleting")
+
+
 def set_aside_run(run_dir: str | Path) -> Path:
     """Move the old run in ``run_dir`` (``replaceable`` said there is one) to ``aside_path``; return that path.
-    A move the file system refuses is a one-line ConfigError, and the old run stays where it was."""
+    Something already at that path, or a move the file system refuses, is a one-line ConfigError, and the old run
+    stays where it was."""
     run, aside = Path(run_dir), aside_path(run_dir)
-    _remove(aside)  # an old run given up by a started run, left by a killed command (recover_replaced keeps others)
+    if aside.exists() or aside.is_symlink():  # recover_replaced has put back or dropped any run of ours there
+        raise ConfigError(f"run_dir = {str(run_dir)!r}: --overwrite sets the old run aside as {str(aside)!r}, which "
+                          "already exists and is not a run it set aside: move it, or choose another --run-dir")
     try:
         run.rename(aside)
     except OSError as e:
@@ -147,9 +155,14 @@ def set_aside_run(run_dir: str | Path) -> Path:
 
 
 def drop_replaced(aside: Path | None) -> None:
-    """Delete the old run set aside for ``--overwrite``: the new run has started (its parts are built)."""
-    if aside is not None:
-        _remove(aside)
+    """Delete the old run set aside for ``--overwrite``: the new run has started (its parts are built). It is renamed
+    out of recovery's reach first, so an interrupted deletion never comes back as a half-deleted run."""
+    if aside is None or not aside.is_dir() or aside.is_symlink():
+        return
+    doomed = _deleting(aside)
+    _remove(doomed)
+    aside.rename(doomed)
+    _remove(doomed)
 
 
 def run_started(run_dir: str | Path) -> bool:
@@ -162,11 +175,11 @@ def settle_replaced(run_dir: str | Path, aside: Path | None) -> bool:
     """At the end of a ``train --overwrite`` command: when the old run is still set aside and the new run did not
     start, remove what it wrote (its ``config.json``) and put the old run back (True); when it started, delete the
     old run (False). Nothing to do: False."""
-    if aside is None or not (aside.exists() or aside.is_symlink()):
+    if aside is None or not aside.is_dir() or aside.is_symlink():
         return False
     run = Path(run_dir)
     if run_started(run):
-        _remove(aside)
+        drop_replaced(aside)
         return False
     if run.is_dir():
         (run / CONFIG).unlink(missing_ok=True)
@@ -176,18 +189,25 @@ def settle_replaced(run_dir: str | Path, aside: Path | None) -> bool:
 
 
 def recover_replaced(run_dir: str | Path) -> str | None:
-    """A ``--overwrite`` killed before it ended (SIGKILL, out of memory) may have left the old run set aside: put it
-    back when the new run never started, delete it when it did. Returns a line saying what was put back, or None."""
-    aside = aside_path(run_dir)
-    if not aside.is_dir() or aside.is_symlink():
-        return None
+    """Finish a ``train --overwrite`` that was killed (SIGKILL, out of memory) while the old run was set aside: put it
+    back when ``run_dir`` holds no started run, drop it when it holds the polyrl run that replaced it, refuse in one
+    line when it holds something else. Returns a line saying what was done, or None when there was nothing to do."""
+    aside, run = aside_path(run_dir), Path(run_dir)
     try:
-        if settle_replaced(run_dir, aside):
+        _remove(_deleting(aside))  # an old run whose deletion was interrupted
+        if not aside.is_dir() or aside.is_symlink():
+            return None
+        if not run_started(run):
+            settle_replaced(run, aside)
             return f"put back the run in {run_dir}: an earlier --overwrite stopped before its new run started"
+        if not run_contents(run):
+            raise ConfigError(f"run_dir = {str(run_dir)!r}: an earlier --overwrite left the old run in {str(aside)!r} "
+                              f"and {str(run_dir)!r} now holds files that are no polyrl run; move one of them")
+        drop_replaced(aside)
+        return f"deleted the run that an earlier --overwrite of {run_dir} had replaced (left in {aside.name})"
     except OSError as e:
         raise ConfigError(f"run_dir = {str(run_dir)!r}: an earlier --overwrite left the old run in {str(aside)!r}, "
-                          f"which cannot be put back ({e.strerror or e}); move it back by hand") from None
-    return None
+                          f"which cannot be put back or deleted ({e.strerror or e}); move it by hand") from None
 
 
 def _remove(path: Path) -> None:

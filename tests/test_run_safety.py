@@ -184,15 +184,27 @@ def test_a_failing_put_back_is_one_warning_and_the_refusal_stays_the_answer(run,
     assert "lora_targets = 'no_such_proj'" in lines[1]
 
 
-def test_sigterm_unwinds_the_command_like_ctrl_c():
+def test_sigterm_unwinds_the_command_like_ctrl_c_and_nohup_still_holds():
     import signal
 
     from polyrl.cli import _signals_unwind
 
-    before = signal.getsignal(signal.SIGTERM)
-    with pytest.raises(SystemExit) as stopped, _signals_unwind():
-        os.kill(os.getpid(), signal.SIGTERM)
-    assert stopped.value.code == 128 + signal.SIGTERM and signal.getsignal(signal.SIGTERM) is before
+    outside = signal.signal(signal.SIGTERM, signal.SIG_DFL)  # (a Ray test before may have left its own handler)
+    try:
+        with pytest.raises(SystemExit) as stopped, _signals_unwind():
+            os.kill(os.getpid(), signal.SIGTERM)
+        assert stopped.value.code == 128 + signal.SIGTERM and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+    finally:
+        signal.signal(signal.SIGTERM, outside)
+    previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)  # as under nohup
+    try:
+        with _signals_unwind():
+            signal.signal(signal.SIGINT, signal.SIG_IGN)  # as torch.distributed.run's launcher changes it
+            os.kill(os.getpid(), signal.SIGHUP)  # ignored, not turned into an exit
+        assert signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # put back
+    finally:
+        signal.signal(signal.SIGHUP, previous)
 
 
 def test_an_old_run_left_aside_by_a_killed_command_is_put_back_or_dropped(tmp_path):
@@ -215,11 +227,60 @@ def test_an_old_run_left_aside_by_a_killed_command_is_put_back_or_dropped(tmp_pa
         note = recover_replaced(run)
         assert not aside.exists()
         if new_run == "started":  # the old run had been replaced: dropped, the new one untouched
-            assert note is None and not (run / "checkpoints").exists() and (run / "metrics.jsonl").exists()
+            assert "deleted the run that an earlier --overwrite" in note
+            assert not (run / "checkpoints").exists() and (run / "metrics.jsonl").exists()
         else:
             assert "put back the run in" in note and _weight(latest_checkpoint(run)) == 0.5
             assert not settle_replaced(run, aside)  # nothing left to settle
     assert recover_replaced(tmp_path / "never") is None
+    foreign = tmp_path / "foreign"  # the user made run_dir again and put other files in it: both are kept
+    old_run(foreign)
+    aside = set_aside_run(foreign)
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("mine")
+    with pytest.raises(ConfigError, match="now holds files that are no polyrl run"):
+        recover_replaced(foreign)
+    assert (foreign / "notes.txt").exists() and (aside / "checkpoints").is_dir()
+
+
+def test_an_interrupted_deletion_never_comes_back_as_the_old_run(tmp_path, monkeypatch):
+    import shutil
+
+    from polyrl.runs import aside_path, drop_replaced, recover_replaced, set_aside_run, settle_replaced
+
+    run = tmp_path / "run"
+    _save(run, 1, 0.5)
+    aside = set_aside_run(run)
+    real_rmtree = shutil.rmtree
+
+    def interrupted(path, *a, **k):
+        real_rmtree(Path(path) / "checkpoints")  # half deleted
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(shutil, "rmtree", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        drop_replaced(aside)
+    monkeypatch.setattr(shutil, "rmtree", real_rmtree)
+    assert not settle_replaced(run, aside) and not run.exists()  # nothing half deleted is put back
+    assert recover_replaced(run) is None and not any(tmp_path.iterdir())  # and the next command clears it
+    (tmp_path / ".run.replaced").write_text("a file of the user's")
+    _save(run, 1, 0.5)
+    with pytest.raises(ConfigError, match="already exists and is not a run it set aside"):
+        set_aside_run(run)
+    assert aside_path(run).read_text() == "a file of the user's" and (run / "checkpoints").is_dir()
+
+
+def test_resume_after_a_killed_overwrite_continues_the_old_run_with_its_own_settings(run, tiny_model, capsys):
+    from polyrl.runs import set_aside_run
+
+    set_aside_run(run)  # what a killed `--overwrite --group-size 4` leaves: the old run aside, the new one's record
+    run.mkdir()
+    record = json.loads((run.parent / ".run.replaced" / "config.json").read_text())
+    record["config"]["group_size"] = 4
+    (run / "config.json").write_text(json.dumps(record))
+    code, err = _cli([*_small(tiny_model, run), "--resume", "--group-size", "4"], capsys)
+    _one_line(code, err, "group_size", "4")  # refused against the old run's own group_size, as without the kill
+    assert latest_checkpoint(run) is not None and not (run.parent / ".run.replaced").exists()
 
 
 def test_setting_aside_names_and_refusals(tmp_path, monkeypatch):
