@@ -566,8 +566,7 @@ def main() -> None:
                                **paired(spec, args.rounds, args.trl_python, f"hidden {hidden} x {layers} layers")})
             for p in points:
                 p.setdefault("max_new_tokens", p["spec"]["max_new_tokens"])
-            write(f"scaling-{args.stop}", {"stop": args.stop, "points": points})  # kept whatever follows
-            parts = decompose(points)
+            parts = decompose(points)  # pure arithmetic that skips what it cannot divide: cannot lose the points
             write(f"scaling-{args.stop}", {"stop": args.stop, "points": points, "decomposition": parts})
             plot_scaling(points, RESULTS / f"scaling-{args.stop}.png", args.stop)
             show(f"polyrl vs TRL ({args.stop} lengths): completion length (~1M model) and model size "

@@ -188,9 +188,9 @@ def _recover_replaced(run_dir: str, notes: list[str]) -> None:
     from polyrl.runs import aside_path, recover_replaced
 
     if world()[0] != 0:
-        if aside_path(run_dir).is_dir():
-            raise ConfigError(f"run_dir = {run_dir!r}: an earlier --overwrite left the old run in "
-                              f"{str(aside_path(run_dir))!r}; run `polyrl train` on it in one process first")
+        if (aside := aside_path(run_dir)).is_dir():
+            raise ConfigError(f"run_dir = {run_dir!r}: an earlier --overwrite left the old run in {str(aside)!r}; "
+                              "run `polyrl train` on it in one process first")
         return
     if (note := recover_replaced(run_dir)) is not None:
         notes.append(note)

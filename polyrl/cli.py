@@ -205,7 +205,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from polyrl.launch import under_launcher, world
+    from polyrl.launch import relaunches, world
     from polyrl.runs import set_aside_run
 
     global console
@@ -215,10 +215,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     # --overwrite moves the old run aside; the trainer deletes it once its parts are built, and a command that ends
     # before that (a refusal while the model loads, Ctrl-C, SIGTERM) puts it back. With --nproc the rank-0 process
     # that this one launches does it.
-    relaunching = plan.cfg.scale.nproc > 1 and not under_launcher()
     with _signals_unwind():
         try:
-            if plan.replace and not relaunching:
+            if plan.replace and not relaunches(plan.cfg.scale.nproc):
                 plan.replaced = set_aside_run(plan.run_dir)
             return _train_plan(args, plan)
         finally:
@@ -277,7 +276,7 @@ def _settle_replaced(args: argparse.Namespace, plan: TrainPlan) -> None:
 def _train_plan(args: argparse.Namespace, plan: TrainPlan) -> int:
     from polyrl.catalog import method_dict
     from polyrl.config import to_dict
-    from polyrl.launch import relaunch, under_launcher, world
+    from polyrl.launch import relaunch, relaunches, world
     from polyrl.learner.dist import leave
     from polyrl.runs import record_resume, write_record
     from polyrl.trainer import train
@@ -296,7 +295,7 @@ def _train_plan(args: argparse.Namespace, plan: TrainPlan) -> int:
         cfg.model = ws.path
         console.print(f"warm start: {cfg.model} ({'cached' if ws.cached else f'{ws.seconds:.0f} s'}, "
                       f"accuracy {ws.accuracy:.3f})")
-    if cfg.scale.nproc > 1 and not under_launcher():  # the same command as N ranks (torch.distributed.run)
+    if relaunches(cfg.scale.nproc):  # the same command as N ranks (torch.distributed.run)
         console.print(f"starting {cfg.scale.nproc} training processes (FSDP2)")
         return relaunch(cfg.scale.nproc, [*args.argv, "--model", cfg.model])
     if world()[0] != 0:

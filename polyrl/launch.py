@@ -57,6 +57,11 @@ def local_processes() -> int:
     return int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if under_launcher() else 1
 
 
+def relaunches(nproc: int) -> bool:
+    """Whether a command asked for ``nproc`` processes starts them itself (``relaunch``): not when a launcher did."""
+    return nproc > 1 and not under_launcher()
+
+
 def relaunch(nproc: int, argv: list[str]) -> int:
     """Run ``python -m polyrl *argv`` as ``nproc`` ranks on this machine; return the launcher's exit code."""
     from torch.distributed.run import get_args_parser, run

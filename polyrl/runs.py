@@ -115,12 +115,6 @@ def clear_run_dir(run_dir: str | Path, *, inputs: dict[str, Any] | None = None) 
 # the model loads): ``set_aside_run`` moves it to a hidden sibling, the trainer calls ``drop_replaced`` once its parts
 # are built, and ``settle_replaced`` puts it back when the command ended before that. ``recover_replaced`` finishes
 # the job of a command that was killed in between.
-def replaceable(run_dir: str | Path, *, inputs: dict[str, Any] | None = None) -> bool:
-    """Whether ``--overwrite`` has a run to remove in ``run_dir`` (False: no directory, or an empty one); what it must
-    not remove (see ``clear_run_dir``) is refused in one line naming run_dir."""
-    return _replaceable(Path(run_dir), inputs)
-
-
 def aside_path(run_dir: str | Path) -> Path:
     """Where ``--overwrite`` keeps the old run until the new one has started: ``.NAME.replaced`` beside it (a long
     name is cut and tagged with its hash, so the hidden name stays within the file system's limit)."""
@@ -219,9 +213,10 @@ def _remove(path: Path) -> None:
         shutil.rmtree(path)
 
 
-def _replaceable(run: Path, inputs: dict[str, Any] | None) -> bool:
-    """Whether ``run`` has something for ``--overwrite`` to remove (False: no directory or an empty one); anything
-    ``clear_run_dir`` must not remove raises ConfigError in one line."""
+def replaceable(run_dir: str | Path, *, inputs: dict[str, Any] | None = None) -> bool:
+    """Whether ``--overwrite`` has a run to remove in ``run_dir`` (False: no directory, or an empty one); what it must
+    not remove (see ``clear_run_dir``) is refused in one line naming run_dir."""
+    run = Path(run_dir)
     if not run.exists() and not run.is_symlink():
         return False
     if run.is_symlink() or not run.is_dir():
