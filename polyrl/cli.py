@@ -9,13 +9,10 @@ torch and transformers are imported only by the commands that need them: `method
 from __future__ import annotations
 
 import argparse
-import contextlib
 import difflib
 import json
 import os
-import signal
 import sys
-import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -206,7 +203,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 def cmd_train(args: argparse.Namespace) -> int:
     from polyrl.launch import relaunches, world
-    from polyrl.runs import set_aside_run
+    from polyrl.runs import set_aside_run, signals_unwind
 
     global console
     if world()[0] != 0:  # one rank of several speaks and writes the run directory: rank 0
@@ -215,38 +212,13 @@ def cmd_train(args: argparse.Namespace) -> int:
     # --overwrite moves the old run aside; the trainer deletes it once its parts are built, and a command that ends
     # before that (a refusal while the model loads, Ctrl-C, SIGTERM) puts it back. With --nproc the rank-0 process
     # that this one launches does it.
-    with _signals_unwind():
+    with signals_unwind():
         try:
             if plan.replace and not relaunches(plan.cfg.scale.nproc):
                 plan.replaced = set_aside_run(plan.run_dir)
             return _train_plan(args, plan)
         finally:
             _settle_replaced(args, plan)
-
-
-@contextlib.contextmanager
-def _signals_unwind():
-    """SIGTERM and SIGHUP raise SystemExit(128 + signal) while the command runs, so that its ``finally`` blocks run
-    (as they do on Ctrl-C) instead of the process vanishing mid-way; a signal someone set to be ignored (nohup) or
-    handled stays so. Every handler the command may change (torch.distributed.run's launcher sets SIGINT, SIGQUIT,
-    SIGTERM and SIGHUP) comes back after it."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def stop(signum, _frame):
-        raise SystemExit(128 + signum)
-
-    previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGQUIT, signal.SIGTERM, signal.SIGHUP)}
-    for s in (signal.SIGTERM, signal.SIGHUP):
-        if previous[s] == signal.SIG_DFL:
-            signal.signal(s, stop)
-    try:
-        yield
-    finally:
-        for s, handler in previous.items():
-            if handler is not None:  # None: set outside Python, not restorable from here
-                signal.signal(s, handler)
 
 
 def _drop_replaced(plan: TrainPlan) -> None:

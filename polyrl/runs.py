@@ -10,9 +10,14 @@ steps that the checkpoint does not: ``cut_logs`` drops them, so no step appears 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
+import signal
+import sys
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -273,6 +278,75 @@ def start_run_dir(run_dir: str | Path, *, overwrite: bool, inputs: dict[str, Any
         raise ConfigError(f"run_dir = '{run}' already holds a run; pass --overwrite or another --run-dir")
     run.mkdir(parents=True, exist_ok=True)
     return run
+
+
+@contextlib.contextmanager
+def new_run(run_dir: str | Path, *, overwrite: bool, inputs: dict[str, Any] | None = None) -> Iterator[Path]:
+    """``start_run_dir`` for a command whose run starts inside the block (the family commands), without losing the
+    old run: a copy an earlier killed command left aside is recovered first (``recover_replaced``); ``overwrite``
+    sets the old run aside (``set_aside_run``) instead of deleting it. When the block ends -- returned, refused,
+    Ctrl-C, SIGTERM -- a new run that started (it wrote more than its ``config.json``) stays and the old one is
+    deleted; one that did not is removed (its ``config.json``, the directory if the block made it) and the old run
+    is put back, so the same command can simply be run again."""
+    run = Path(run_dir)
+    with signals_unwind():
+        if (note := recover_replaced(run)) is not None:
+            print(f"polyrl: {note}", file=sys.stderr)
+        if run.exists() and not run.is_dir():
+            raise ConfigError(f"run_dir = '{run}' is a file, not a directory; choose another --run-dir")
+        if not overwrite and any((run / name).exists() for name in ("metrics.jsonl", "summary.json", CONFIG)):
+            raise ConfigError(f"run_dir = '{run}' already holds a run; pass --overwrite or another --run-dir")
+        aside = set_aside_run(run) if overwrite and replaceable(run, inputs=inputs) else None
+        created = not run.exists()
+        try:
+            try:
+                run.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise ConfigError(f"run_dir = '{run}' cannot be created: {e.strerror or e}") from None
+            yield run
+        finally:
+            _settle_new_run(run, aside, created)
+
+
+def _settle_new_run(run: Path, aside: Path | None, created: bool) -> None:
+    """The end of ``new_run``: keep a started run (deleting the old one), else forget the new one and put the old one
+    back; a file system that refuses is a warning line that lets the command's own outcome stand."""
+    try:
+        if aside is not None and aside.is_dir() and not aside.is_symlink():
+            if settle_replaced(run, aside):
+                print(f"polyrl: the new run in {run} did not start; the old run there is as it was", file=sys.stderr)
+        elif run.is_dir() and not run_started(run):
+            (run / CONFIG).unlink(missing_ok=True)
+            if created and not any(run.iterdir()):
+                run.rmdir()
+    except OSError as e:
+        where = f"; the old run is still in {aside}" if aside is not None and aside.exists() else ""
+        print(f"polyrl: warning: {run} could not be settled ({e.strerror or e}){where}", file=sys.stderr)
+
+
+@contextlib.contextmanager
+def signals_unwind() -> Iterator[None]:
+    """SIGTERM and SIGHUP raise SystemExit(128 + signal) while the command runs, so that its ``finally`` blocks run
+    (as they do on Ctrl-C) instead of the process vanishing mid-way; a signal someone set to be ignored (nohup) or
+    handled stays so. Every handler the command may change (torch.distributed.run's launcher sets SIGINT, SIGQUIT,
+    SIGTERM and SIGHUP) comes back after it."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum, _frame):
+        raise SystemExit(128 + signum)
+
+    previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGQUIT, signal.SIGTERM, signal.SIGHUP)}
+    for s in (signal.SIGTERM, signal.SIGHUP):
+        if previous[s] == signal.SIG_DFL:
+            signal.signal(s, stop)
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            if handler is not None:  # None: set outside Python, not restorable from here
+                signal.signal(s, handler)
 
 
 def resume_values(saved: dict[str, Any], given: dict[str, Any], *, what: str = "") -> tuple[dict, dict]:

@@ -49,8 +49,10 @@ def _rows(run_dir):
 def plain(models, tmp_path_factory):
     """The metrics of an undisturbed run with two rollout workers."""
     run = tmp_path_factory.mktemp("plain")
+    before = signal.getsignal(signal.SIGTERM)
     train(_cfg(run), get_method("grpo"), model_dir=models[0], task=AdditionTask(), run_dir=str(run), console=QUIET)
     assert not ray.is_initialized()  # the run stopped the Ray instance it started
+    assert signal.getsignal(signal.SIGTERM) is before  # and took back the SIGTERM handler ray.init installs
     return _rows(run)
 
 

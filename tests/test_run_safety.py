@@ -187,7 +187,7 @@ def test_a_failing_put_back_is_one_warning_and_the_refusal_stays_the_answer(run,
 def test_sigterm_unwinds_the_command_like_ctrl_c_and_nohup_still_holds():
     import signal
 
-    from polyrl.cli import _signals_unwind
+    from polyrl.runs import signals_unwind as _signals_unwind
 
     outside = signal.signal(signal.SIGTERM, signal.SIG_DFL)  # (a Ray test before may have left its own handler)
     try:
@@ -460,3 +460,74 @@ def test_a_damaged_report_summary_is_one_line(tmp_path):
     with pytest.raises(ConfigError, match="summary.json cannot be read .*--overwrite") as e:
         finished(tmp_path)
     assert "\n" not in str(e.value)
+
+
+FAMILY_TRAIN = {"flow": "polyrl.families.flow.train.train_flow", "q": "polyrl.families.q.train.train_q",
+                "marl": "polyrl.families.marl.train.train_marl", "duplex": "polyrl.families.duplex.train.train_duplex"}
+
+
+def _old_run(run):
+    run.mkdir(parents=True)
+    (run / "config.json").write_text('{"config": {"steps": 7}}')
+    (run / "metrics.jsonl").write_text('{"step": 1}\n')
+    return {p.name: p.read_bytes() for p in run.iterdir()}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILY_TRAIN))
+def test_family_overwrite_puts_the_old_run_back_when_the_new_one_never_started(family, tmp_path, capsys, monkeypatch):
+    """`polyrl flow train --overwrite` deleted the old run before pretraining its policy: Ctrl-C (or a failure) there
+    lost it. The old run is now set aside and comes back byte for byte; nothing hidden is left beside it."""
+    run = tmp_path / "old"
+    before = _old_run(run)
+
+    def stopped(*a, **k):
+        assert not (run / "metrics.jsonl").exists() and (run / "config.json").exists()  # set aside, new record
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(FAMILY_TRAIN[family], stopped)
+    code = main([family, "train", "--run-dir", str(run), "--overwrite"])
+    err = capsys.readouterr().err
+    assert code == 130 and "old run there is as it was" in err, err
+    assert {p.name: p.read_bytes() for p in run.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["old"]
+
+
+def test_family_overwrite_replaces_a_started_run_and_recovers_a_killed_one(tmp_path, capsys, monkeypatch):
+    """A new run that started (it wrote more than config.json) replaces the old one even when it fails later; a copy
+    left aside by a killed command is put back by the next command, which then refuses without --overwrite."""
+    from polyrl.runs import aside_path
+
+    run = tmp_path / "old"
+    _old_run(run)
+
+    def fails_after_a_step(*a, run_dir, **k):
+        (Path(run_dir) / "metrics.jsonl").write_text('{"step": 1, "new": true}\n')
+        raise ConfigError("stopped after a step")
+
+    monkeypatch.setattr(FAMILY_TRAIN["q"], fails_after_a_step)
+    assert main(["q", "train", "--run-dir", str(run), "--overwrite"]) == 2
+    assert '"new"' in (run / "metrics.jsonl").read_text() and '"steps": 7' not in (run / "config.json").read_text()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["old"]
+    capsys.readouterr()
+    before = {p.name: p.read_bytes() for p in run.iterdir()}
+    run.rename(aside_path(run))  # as a SIGKILL between the set-aside and the new run's start leaves it
+    code = main(["q", "train", "--run-dir", str(run)])
+    err = capsys.readouterr().err
+    assert code == 2 and "put back the run" in err and "already holds a run" in err, err
+    assert {p.name: p.read_bytes() for p in run.iterdir()} == before
+
+
+def test_family_run_refused_before_it_started_leaves_no_record(tmp_path, capsys, monkeypatch):
+    """A new run stopped before it wrote anything but its config.json left that file, so the corrected command was
+    refused as a rerun ("already holds a run"); the record and the directory the command made are now removed."""
+    run = tmp_path / "new"
+
+    def refused(*a, **k):
+        raise ConfigError("refused while the parts were built")
+
+    monkeypatch.setattr(FAMILY_TRAIN["q"], refused)
+    assert main(["q", "train", "--run-dir", str(run)]) == 2
+    assert not run.exists()
+    monkeypatch.undo()
+    capsys.readouterr()
+    assert main(["q", "train", "--steps", "2", "--run-dir", str(run)]) == 0 and (run / "summary.json").is_file()

@@ -10,6 +10,7 @@ method, ``--seed`` with ``report`` (it runs seeds 0..N-1). ``--resume`` continue
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 from dataclasses import asdict
 
@@ -80,7 +81,7 @@ def resume_settings(args: argparse.Namespace, run_dir: str):
 
 def cmd_duplex_train(args: argparse.Namespace) -> int:
     from polyrl.families.duplex.train import train_duplex
-    from polyrl.runs import start_run_dir, write_record
+    from polyrl.runs import new_run, write_record
 
     cfg = _train_config(args)
     method = _method(args)
@@ -89,11 +90,13 @@ def cmd_duplex_train(args: argparse.Namespace) -> int:
         if args.overwrite:
             raise ConfigError("resume and overwrite are exclusive; pass one of them")
         cfg, method = resume_settings(args, run_dir)
-    else:
-        start_run_dir(run_dir, overwrite=args.overwrite, inputs=vars(args))
-        write_record(run_dir, {"config": asdict(cfg), "method": method.name, "parts": _parts(method)})
-    console.print(f"duplex method: {method.name} ({method.kind}, advantage {method.advantage})")
-    s = train_duplex(cfg, method, run_dir=run_dir, resume=args.resume, console=console)
+    where = (contextlib.nullcontext(run_dir) if args.resume else
+             new_run(run_dir, overwrite=args.overwrite, inputs=vars(args)))
+    with where as run:
+        if not args.resume:
+            write_record(run, {"config": asdict(cfg), "method": method.name, "parts": _parts(method)})
+        console.print(f"duplex method: {method.name} ({method.kind}, advantage {method.advantage})")
+        s = train_duplex(cfg, method, run_dir=run, resume=args.resume, console=console)
     table = Table(title=f"{method.name} on {cfg.task}: per-axis metrics (fixed evaluation set)")
     for col in ("metric", "natural agent", "imitation baseline", "after"):
         table.add_column(col, justify="right")

@@ -31,18 +31,18 @@ def _train_config(args: argparse.Namespace):
 def cmd_flow_train(args: argparse.Namespace) -> int:
     from polyrl.families.flow.methods import get_flow_method
     from polyrl.families.flow.train import train_flow
-    from polyrl.runs import start_run_dir, write_record
+    from polyrl.runs import new_run, write_record
 
     cfg = _train_config(args)
     method = get_flow_method(args.method, advantage=args.advantage, loss=args.loss, schedule=args.schedule,
                              eta=args.eta, reduce=args.reduce, cfm_samples=args.cfm_samples)
-    run_dir = start_run_dir(args.run_dir or f"runs/flow/{method.name}-{cfg.task}-s{cfg.seed}",
-                            overwrite=args.overwrite, inputs=vars(args))
     parts = {"advantage": str(method.advantage), "loss": str(method.loss), "schedule": method.schedule,
              "eta": method.eta, "reduce": method.reduce, "cfm_samples": method.cfm_samples}
-    write_record(run_dir, {"config": asdict(cfg), "method": method.name, "parts": parts})
-    console.print(f"flow method: {method.name} = " + "; ".join(f"{k} {v}" for k, v in parts.items()))
-    s = train_flow(cfg, method, run_dir=run_dir, console=console)
+    with new_run(args.run_dir or f"runs/flow/{method.name}-{cfg.task}-s{cfg.seed}", overwrite=args.overwrite,
+                 inputs=vars(args)) as run_dir:
+        write_record(run_dir, {"config": asdict(cfg), "method": method.name, "parts": parts})
+        console.print(f"flow method: {method.name} = " + "; ".join(f"{k} {v}" for k, v in parts.items()))
+        s = train_flow(cfg, method, run_dir=run_dir, console=console)
     if s.get("pretrained"):
         how = "cached" if s["pretrain_cached"] else f"trained in {s['pretrain_seconds']:.0f} s"
         console.print(f"pretrained policy: {s['pretrained']} ({how})")

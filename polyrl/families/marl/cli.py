@@ -11,6 +11,7 @@ seeds 0..N-1) and reuses a finished run in ``--out`` only when its saved setting
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from dataclasses import asdict
@@ -61,7 +62,7 @@ def resume_config(run_dir: Path, given: dict):
 def cmd_marl_train(args: argparse.Namespace) -> int:
     from polyrl.families.marl.methods import get_marl_method
     from polyrl.families.marl.train import train_marl
-    from polyrl.runs import start_run_dir, write_record
+    from polyrl.runs import new_run, write_record
 
     given = _given(args)
     if args.resume:
@@ -86,14 +87,17 @@ def cmd_marl_train(args: argparse.Namespace) -> int:
     else:
         cfg = _build(given)
         method = get_marl_method(args.method or "mappo")
-        run_dir = start_run_dir(args.run_dir or f"runs/marl/{method.name}-s{cfg.seed}", overwrite=args.overwrite,
-                                inputs=vars(args))
-        write_record(run_dir, {"config": asdict(cfg), "method": method.name, "parts": {
-            "critic": method.critic, "advantage": "gae", "trust_region": "clip", "aggregation": "token_mean",
-            "value_loss": "clipped_value_loss"}})
-    console.print(f"marl method: {method.name} (critic {method.critic}); teams {cfg.teams}, "
-                  f"{cfg.envs} episodes x {cfg.horizon} steps per batch")
-    s = train_marl(cfg, method, run_dir=run_dir, console=console, resume=args.resume)
+    where = (contextlib.nullcontext(run_dir) if args.resume else
+             new_run(args.run_dir or f"runs/marl/{method.name}-s{cfg.seed}", overwrite=args.overwrite,
+                     inputs=vars(args)))
+    with where as run_dir:
+        if not args.resume:
+            write_record(run_dir, {"config": asdict(cfg), "method": method.name, "parts": {
+                "critic": method.critic, "advantage": "gae", "trust_region": "clip", "aggregation": "token_mean",
+                "value_loss": "clipped_value_loss"}})
+        console.print(f"marl method: {method.name} (critic {method.critic}); teams {cfg.teams}, "
+                      f"{cfg.envs} episodes x {cfg.horizon} steps per batch")
+        s = train_marl(cfg, method, run_dir=run_dir, console=console, resume=args.resume)
     table = Table(title=f"{method.name} formation")
     for col in ("success train dist", "success held-out", "reward first", "reward last", "steps", "wall s"):
         table.add_column(col, justify="right")

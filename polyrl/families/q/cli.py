@@ -7,8 +7,10 @@ q``. Bad values raise ``ConfigError`` (one line naming the field, the value and 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 from dataclasses import asdict, fields
+from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
@@ -58,22 +60,23 @@ def resolve_train(args: argparse.Namespace):
 
 def cmd_q_train(args: argparse.Namespace) -> int:
     from polyrl.families.q.train import CHECKPOINT, load_checkpoint, train_q
-    from polyrl.runs import record_resume, start_run_dir, write_record
+    from polyrl.runs import new_run, record_resume, write_record
 
     cfg, method, changes = resolve_train(args)
     if args.resume:
         if args.overwrite:
             raise ConfigError("resume and overwrite were both given; pick one")
-        run_dir = args.run_dir
-        record_resume(run_dir, load_checkpoint(run_dir)["step"], CHECKPOINT, changes)
-    else:
-        run_dir = start_run_dir(args.run_dir or f"runs/q/{method.name}-{cfg.task}-s{cfg.seed}",
-                                overwrite=args.overwrite, inputs=vars(args))
-        parts = {"target_mode": method.target_mode, "period": method.period, "lam": method.lam}
-        write_record(run_dir, {"config": asdict(cfg), "method": method.name, "parts": parts})
-    console.print(f"q method: {method.name} = target_mode {method.target_mode}; period {method.period}; "
-                  f"lam {method.lam}")
-    s = train_q(cfg, method, run_dir=run_dir, resume=args.resume, console=console)
+        record_resume(args.run_dir, load_checkpoint(args.run_dir)["step"], CHECKPOINT, changes)
+    where = (contextlib.nullcontext(Path(args.run_dir)) if args.resume else
+             new_run(args.run_dir or f"runs/q/{method.name}-{cfg.task}-s{cfg.seed}", overwrite=args.overwrite,
+                     inputs=vars(args)))
+    with where as run_dir:
+        if not args.resume:
+            parts = {"target_mode": method.target_mode, "period": method.period, "lam": method.lam}
+            write_record(run_dir, {"config": asdict(cfg), "method": method.name, "parts": parts})
+        console.print(f"q method: {method.name} = target_mode {method.target_mode}; period {method.period}; "
+                      f"lam {method.lam}")
+        s = train_q(cfg, method, run_dir=run_dir, resume=args.resume, console=console)
     table = Table(title=f"{method.name} on {cfg.task} ({cfg.features} features)")
     for col in ("greedy return", "optimal", "mean |Q - Q*|", "samples", "target refreshes", "diverged", "wall s"):
         table.add_column(col, justify="right")

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -179,8 +181,20 @@ def _start_ray(address: str | None, cpus: int, gpus_per_worker: float) -> None:
     """Join the cluster at ``address``, or start a fresh local instance (never one RAY_ADDRESS points at).
 
     Under several training processes (torchrun) the local instance gets the GPUs the ranks do not use, so that
-    generator actors never land on a trainer's device (separated placement).
+    generator actors never land on a trainer's device (separated placement). ``ray.init`` installs its own SIGTERM
+    handler (``sys.exit(15)``) and never removes it; the one before it comes back at once, so that a run under nohup
+    still ignores SIGTERM and ``polyrl train`` still unwinds on it (putting back a run ``--overwrite`` set aside).
     """
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.getsignal(signal.SIGTERM) if main else None
+    try:
+        _init_ray(address, cpus, gpus_per_worker)
+    finally:
+        if previous is not None:  # None: not the main thread, or a handler set outside Python
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _init_ray(address: str | None, cpus: int, gpus_per_worker: float) -> None:
     import ray
 
     quiet = dict(include_dashboard=False, logging_level="ERROR", log_to_driver=False)
