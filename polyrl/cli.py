@@ -30,7 +30,7 @@ from polyrl.build import (
     resolve_train,
 )
 from polyrl.config import ConfigError
-from polyrl.errors import CheckpointError, RewardError, TrainingError
+from polyrl.errors import CheckpointError, RewardError, Terminated, TrainingError
 from polyrl.registry import ALL_REGISTRIES, PartError, unknown
 
 # Piped output (CI logs, tests, `| less`) gets a wide console instead of rich's 80-column default.
@@ -569,6 +569,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except TrainingError as e:  # the run itself failed, not its configuration
         print(f"polyrl: training stopped: {e}", file=sys.stderr)
         return 1
+    except Terminated as e:  # SIGTERM/SIGHUP while a command that unwinds on them ran (runs.signals_unwind)
+        print(f"polyrl: terminated by a signal (exit code {e.code})", file=sys.stderr)
+        return int(e.code)
     except KeyboardInterrupt:  # Ctrl-C: one line saying how to go on (checkpoints are written atomically)
         how = ""
         run_dir = getattr(args, "resolved_run_dir", None)  # set by cmd_train once the run directory is known

@@ -46,3 +46,8 @@ class RewardError(Exception):
             where.append(f"completion {self.completion}{of}")
         log = f"; traceback in {self.log_path}" if self.log_path and self.traceback else ""
         return f"reward function {self.function!r} {self.problem}" + (f" at {', '.join(where)}" if where else "") + log
+
+
+class Terminated(SystemExit):
+    """SIGTERM or SIGHUP arrived (``runs.signals_unwind``): the command unwinds with exit code 128 + signal. Code that
+    catches a user function's ``sys.exit`` lets this one through, so a signal is not reported as the function's."""

@@ -8,6 +8,8 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
+from polyrl.errors import Terminated
+
 
 def import_module_or_file(name: str) -> ModuleType:
     """Import a dotted module name, or execute a ``.py`` file as a module named after its stem.
@@ -29,12 +31,14 @@ def import_module_or_file(name: str) -> ModuleType:
             spec.loader.exec_module(module)
         except BaseException as e:
             del sys.modules[path.stem]  # a failed import leaves no half-built module behind
-            if isinstance(e, SystemExit):
+            if isinstance(e, SystemExit) and not isinstance(e, Terminated):
                 raise _exited(name, e) from None
             raise
         return module
     try:
         return importlib.import_module(name)
+    except Terminated:
+        raise
     except SystemExit as e:
         raise _exited(name, e) from None
 

@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from polyrl.errors import ConfigError
+from polyrl.errors import ConfigError, Terminated
 
 CONFIG = "config.json"
 HISTORY = "config_history.jsonl"
@@ -290,8 +290,7 @@ def new_run(run_dir: str | Path, *, overwrite: bool, inputs: dict[str, Any] | No
     is put back, so the same command can simply be run again."""
     run = Path(run_dir)
     with signals_unwind():
-        if (note := recover_replaced(run)) is not None:
-            print(f"polyrl: {note}", file=sys.stderr)
+        recover_noted(run)
         if run.exists() and not run.is_dir():
             raise ConfigError(f"run_dir = '{run}' is a file, not a directory; choose another --run-dir")
         if not overwrite and any((run / name).exists() for name in ("metrics.jsonl", "summary.json", CONFIG)):
@@ -306,6 +305,12 @@ def new_run(run_dir: str | Path, *, overwrite: bool, inputs: dict[str, Any] | No
             yield run
         finally:
             _settle_new_run(run, aside, created)
+
+
+def recover_noted(run_dir: str | Path) -> None:
+    """``recover_replaced``, saying on stderr what it did: before a family command's ``--resume`` reads the run."""
+    if (note := recover_replaced(run_dir)) is not None:
+        print(f"polyrl: {note}", file=sys.stderr)
 
 
 def _settle_new_run(run: Path, aside: Path | None, created: bool) -> None:
@@ -335,7 +340,7 @@ def signals_unwind() -> Iterator[None]:
         return
 
     def stop(signum, _frame):
-        raise SystemExit(128 + signum)
+        raise Terminated(128 + signum)
 
     previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGQUIT, signal.SIGTERM, signal.SIGHUP)}
     for s in (signal.SIGTERM, signal.SIGHUP):

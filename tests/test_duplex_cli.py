@@ -158,3 +158,27 @@ def test_resume_refuses_fewer_steps_than_done(tmp_path, capsys):
     assert code == 2
     one_line(err, "steps = 1", ">= 3")
     assert step_rows(run) == [1, 2, 3] and json.loads((run / "summary.json").read_text())["steps"] == 3
+
+
+def test_resume_remembers_an_extension_and_recovers_a_killed_overwrite(tmp_path, capsys):
+    """A run extended with --resume --steps 2 was refused on its next plain --resume ("steps = 1 ... >= 2": the
+    record's stale value, never given); and --resume read the new settings a killed --overwrite had left, not the
+    old run it had set aside."""
+    from polyrl.runs import aside_path
+
+    run = tmp_path / "r"
+    assert cli(capsys, "duplex", "train", "--steps", "1", *TINY, "--run-dir", str(run))[0] == 0
+    assert cli(capsys, "duplex", "train", "--steps", "2", "--run-dir", str(run), "--resume")[0] == 0
+    assert cli(capsys, "duplex", "train", "--run-dir", str(run), "--resume")[0] == 0
+    assert step_rows(run) == [1, 2]
+    history = [json.loads(line) for line in (run / "config_history.jsonl").read_text().splitlines()]
+    assert [h["changes"] for h in history] == [{"steps": [1, 2]}, {}]
+    code, err = cli(capsys, "duplex", "train", "--steps", "1", "--run-dir", str(run), "--resume")
+    assert code == 2
+    one_line(err, "steps = 1", ">= 2")
+    run.rename(aside_path(run))  # as a SIGKILL of `--overwrite` before its new run started leaves it ...
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps({"config": {"steps": 5, "hidden": 99}, "method": "grpo"}))
+    code, err = cli(capsys, "duplex", "train", "--steps", "3", "--run-dir", str(run), "--resume")
+    assert code == 0 and "put back the run" in err, err  # ... and the resume continues the old run
+    assert step_rows(run) == [1, 2, 3] and json.loads((run / "summary.json").read_text())["config"]["hidden"] == 8

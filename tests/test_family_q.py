@@ -299,3 +299,28 @@ def test_search_refuses_a_negative_seed_and_an_existing_result(tmp_path, capsys)
     rc, text = _main(capsys, "q", "search", "--seed", "3", "--out", str(out), "--overwrite")
     assert rc == 0, text
     assert json.loads((out / "search.json").read_text())["seed"] == 3
+
+
+def test_q_resume_refuses_fewer_steps_and_damaged_files_in_one_line(tmp_path, capsys):
+    """q accepted --resume --steps 2 after 3 steps (a summary saying 2 steps beside 3 logged); a truncated
+    checkpoint.pkl or a record without its parts was a traceback, and the history line was appended anyway."""
+    from tests.helpers import cli, one_line
+
+    run = tmp_path / "q"
+    assert cli(capsys, "q", "train", "--steps", "3", "--run-dir", str(run))[0] == 0
+    history = run / "config_history.jsonl"
+    code, err = cli(capsys, "q", "train", "--steps", "2", "--run-dir", str(run), "--resume")
+    assert code == 2 and not history.exists()
+    one_line(err, "steps = 2", ">= 3")
+    pkl = (run / "checkpoint.pkl").read_bytes()
+    (run / "checkpoint.pkl").write_bytes(pkl[:100])
+    code, err = cli(capsys, "q", "train", "--steps", "4", "--run-dir", str(run), "--resume")
+    assert code == 2 and not history.exists()
+    one_line(err, "checkpoint.pkl cannot be read")
+    (run / "checkpoint.pkl").write_bytes(pkl)
+    record = json.loads((run / "config.json").read_text())
+    del record["parts"]
+    (run / "config.json").write_text(json.dumps(record))
+    code, err = cli(capsys, "q", "train", "--steps", "4", "--run-dir", str(run), "--resume")
+    assert code == 2
+    one_line(err, "no target_mode, period, lam")

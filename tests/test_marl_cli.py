@@ -126,3 +126,23 @@ def test_more_minibatches_than_episodes_is_refused():
 
     with pytest.raises(ConfigError, match=r"^minibatches = 11 is not allowed; allowed: <= envs \(10\)$"):
         check_train_flags(["--envs", "10", "--minibatches", "11"])
+
+
+def test_resume_remembers_an_extension_and_refuses_damaged_files_in_one_line(tmp_path, capsys):
+    """marl read config.json, not the run's settings after its resumes: the next plain --resume of an extended run was
+    refused with the record's stale steps; a damaged config.json or checkpoint.pt was a traceback."""
+    run = tmp_path / "r"
+    assert cli(capsys, "marl", "train", "--steps", "1", *TINY, "--run-dir", str(run))[0] == 0
+    assert cli(capsys, "marl", "train", "--steps", "2", "--run-dir", str(run), "--resume")[0] == 0
+    assert cli(capsys, "marl", "train", "--run-dir", str(run), "--resume")[0] == 0
+    assert step_rows(run) == [1, 2]
+    ckpt = (run / "checkpoint.pt").read_bytes()
+    (run / "checkpoint.pt").write_bytes(ckpt[:100])
+    code, err = cli(capsys, "marl", "train", "--steps", "3", "--run-dir", str(run), "--resume")
+    assert code == 2
+    one_line(err, "checkpoint.pt cannot be read")
+    (run / "checkpoint.pt").write_bytes(ckpt)
+    (run / "config.json").write_text('{"config": {"steps"')
+    code, err = cli(capsys, "marl", "train", "--steps", "3", "--run-dir", str(run), "--resume")
+    assert code == 2
+    one_line(err, "config.json cannot be read")

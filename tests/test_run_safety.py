@@ -531,3 +531,28 @@ def test_family_run_refused_before_it_started_leaves_no_record(tmp_path, capsys,
     monkeypatch.undo()
     capsys.readouterr()
     assert main(["q", "train", "--steps", "2", "--run-dir", str(run)]) == 0 and (run / "summary.json").is_file()
+
+
+def test_a_signal_while_a_reward_function_runs_is_not_reported_as_its_exit():
+    """SIGTERM during scoring ended `polyrl train` with "reward function ... called sys.exit(143)" and exit code 2;
+    a function's own sys.exit is still that one line."""
+    from polyrl.errors import RewardError, Terminated
+    from polyrl.tasks.arithmetic import AdditionTask
+    from polyrl.tasks.rewards import RewardChannels
+
+    task = AdditionTask()
+    prompts = task.prompts("train", 2, 0)
+    channels = RewardChannels(task, ["tests.reward_fns:digit_fraction"])
+
+    def signalled(**kw):
+        raise Terminated(143)
+
+    def exits(**kw):
+        raise SystemExit(3)
+
+    channels._fns = [signalled]
+    with pytest.raises(Terminated):
+        channels(prompts, ["1", "2"])
+    channels._fns = [exits]
+    with pytest.raises(RewardError, match=r"called sys.exit\(3\)"):
+        channels(prompts, ["1", "2"])

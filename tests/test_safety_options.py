@@ -8,12 +8,13 @@ with tiny settings so that a tool that does not refuse finishes quickly and the 
 from __future__ import annotations
 
 import argparse
+import math
 
 import pytest
 
 from polyrl.config import ConfigError
 from polyrl.safety import TOOLS
-from polyrl.safety.options import number_list, prepare_out
+from polyrl.safety.options import number_list, prepare_out, settle_out
 
 # Tiny settings per tool: a run that is not refused ends in seconds.
 TINY = {
@@ -171,17 +172,88 @@ def test_every_tool_has_overwrite(tools, tool):
     assert _parse(tools, tool, []).overwrite is False
 
 
-def test_prepare_out_with_overwrite_clears_the_old_results_only(tmp_path):
+def test_prepare_out_with_overwrite_sets_the_old_results_aside(tmp_path):
+    """--overwrite hides the finished run's results.json and report.html (the folder holds no finished run while
+    the new one runs); settle_out puts them back unless a new results.json was written, then deletes them."""
     for name in ("results.json", "report.html", "curves.png"):
         (tmp_path / name).write_text("old")
     args = argparse.Namespace(out=str(tmp_path / "."), overwrite=True)
     assert prepare_out(args).is_dir()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["curves.png"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".report.html.replaced", ".results.json.replaced",
+                                                          "curves.png"]
+    assert settle_out(tmp_path) is True  # the run stopped before its results: the old ones are back
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["curves.png", "report.html", "results.json"]
+    prepare_out(args)
+    (tmp_path / "results.json").write_text("new")
+    assert settle_out(tmp_path) is False
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["curves.png", "results.json"]
+    assert (tmp_path / "results.json").read_text() == "new"
     new = argparse.Namespace(out=str(tmp_path / "a" / "b"), overwrite=False)
     assert prepare_out(new).is_dir()
     (tmp_path / "file").write_text("x")
     with pytest.raises(ConfigError, match="^--out = .*file.*: must be a directory"):
         prepare_out(argparse.Namespace(out=str(tmp_path / "file"), overwrite=True))
+
+
+def test_overwrite_keeps_the_old_results_until_the_new_ones_exist(tmp_path, capsys, monkeypatch):
+    """`safety redteam --overwrite` with a channel it could not import, `bias-probe --overwrite` whose ODE overflowed:
+    the finished run's results.json and report.html were deleted before the command stopped. They now come back
+    byte for byte however the command ends (here Ctrl-C), a leftover of a killed command comes back on the next one,
+    and a finished rerun replaces them."""
+    from polyrl.cli import main
+
+    out = tmp_path / "bp"
+    argv = ["safety", "bias-probe", *TINY["bias-probe"], "--out", str(out)]
+    assert main(argv) == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+
+    def stopped(*a, **k):
+        assert not (out / "results.json").exists()
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("polyrl.safety.bias_probe.command.run_experiment", stopped)
+    assert main([*argv, "--overwrite"]) == 130
+    assert "earlier results in" in capsys.readouterr().err
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    code = main(["safety", "redteam", *TINY["redteam"], "--out", str(out), "--overwrite",
+                 "--attacker-channels", "nosuchmod:fn", "--attacker-weights", "1"])
+    err = capsys.readouterr().err
+    assert code == 2 and "--attacker-channels: reward function 'nosuchmod:fn': cannot import" in err, err
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    (out / "results.json").replace(out / ".results.json.replaced")  # as a SIGKILL mid-run leaves it
+    monkeypatch.undo()
+    assert main(argv) == 2  # put back first, then refused without --overwrite
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert main([*argv, "--overwrite", "--max-steps", "21"]) == 0
+    assert sorted(p.name for p in out.iterdir()) == sorted(before)
+    assert (out / "results.json").read_bytes() != before["results.json"]
+
+
+def test_results_with_non_finite_numbers_are_written_as_null(tmp_path):
+    """A run whose numbers overflowed (`unlearn --lam-forget 1e300`) stopped in the JSON writer after its figures."""
+    import json
+
+    import numpy as np
+    import torch
+
+    from polyrl.safety.report import write_report
+
+    paths = write_report(tmp_path, results={"a": float("nan"), "b": [1.5, float("inf")], "c": np.float32("nan"),
+                                            "d": torch.tensor(2.0), "e": 3}, title="t", claim="c", verdict="v")
+    assert json.loads(paths["results"].read_text()) == {"a": None, "b": [1.5, None], "c": None, "d": 2.0, "e": 3}
+    assert not list(tmp_path.glob(".*"))
+
+
+def test_bias_probe_extreme_settings_run_or_are_refused_in_one_line(tools):
+    """--sim-lr 1e6 overflowed math.exp inside the onset ODE (a traceback); --options above 2**24 failed in torch."""
+    from polyrl.safety.bias_probe import theory
+
+    for eta in (0.5, 1e6):
+        t = theory.bernoulli_pg_onset_ode(0.1, eta, 1.5, True)
+        assert 0 < t < 100 / eta + 1 and math.isfinite(theory.finite_group_onset_ode(0.1, eta, 1.5, 4, True))
+    args = _parse(tools, "bias-probe", ["--options", str(2**24 + 1)])
+    with pytest.raises(ConfigError, match=r"^--options = 16777217; allowed: an integer in \[2, 16777216\]"):
+        _validate("bias-probe", args)
 
 
 # ---------------------------------------------------------------------------------------------- finding 5

@@ -6,7 +6,12 @@ its own subcommand with ``fn`` set, and bad values raise ``ConfigError`` (one li
 
 from __future__ import annotations
 
+import argparse
+import functools
 import importlib
+import sys
+from collections.abc import Callable
+from pathlib import Path
 
 from polyrl.safety import HELP, TOOLS
 
@@ -17,3 +22,24 @@ def add_parser(subparsers) -> None:
     tools = p.add_subparsers(dest="tool", required=True)
     for name, (module, _) in TOOLS.items():
         importlib.import_module(f"polyrl.safety.{module}").add_parser(tools, name)
+        tool = tools.choices[name]
+        tool.set_defaults(fn=functools.partial(_settled, tool.get_default("fn")))
+
+
+def _settled(fn: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
+    """Run a tool; however it ends (SIGTERM too), the finished run ``--overwrite`` set aside is deleted or put back
+    (``options.settle_out``)."""
+    from polyrl.runs import signals_unwind
+    from polyrl.safety.options import settle_out
+
+    with signals_unwind():
+        try:
+            return fn(args)
+        finally:
+            out = Path(args.out)
+            try:
+                if out.is_dir() and settle_out(out):
+                    print(f"polyrl: the run did not finish; the earlier results in {out} are back", file=sys.stderr)
+            except OSError as e:
+                print(f"polyrl: warning: the earlier results in {out} are still hidden as .results.json.replaced "
+                      f"and .report.html.replaced ({e.strerror or e})", file=sys.stderr)

@@ -70,23 +70,47 @@ def prepare_out(args: argparse.Namespace) -> Path:
     """Create ``--out``, refusing one that holds a finished run (``results.json``) unless ``--overwrite``.
 
     Called after the options are checked and before any work, so a refused rerun changes nothing on disk. With
-    ``--overwrite`` the old results.json and report.html are removed first: a rerun that stops early then leaves
-    a folder that visibly holds no finished run, instead of the old results beside the new run's figures.
+    ``--overwrite`` the old results.json and report.html (which embeds its figures) are set aside as hidden files
+    in ``--out``, so the folder visibly holds no finished run while the new one runs; ``settle_out`` deletes them
+    once the new results.json is written and puts them back when the command ends before that (a refusal, a
+    failure, Ctrl-C, SIGTERM; after a kill, the next command on that ``--out``). Loose figures beside them may then
+    be the stopped run's.
     """
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         refuse("--out", str(out), "a directory (this path is a file)")
+    settle_out(out)
     if (out / RESULTS).exists():
         if not getattr(args, "overwrite", False):
             raise ConfigError(f"--out = '{out}' already holds {RESULTS} from an earlier run; pass --overwrite to "
                               "replace it or choose another --out")
-        for stale in (RESULTS, REPORT):
-            (out / stale).unlink(missing_ok=True)
+        for name in (REPORT, RESULTS):  # results.json last: while it is there, nothing was set aside yet
+            if (out / name).exists():
+                (out / name).replace(_aside(out, name))
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         refuse("--out", str(out), f"a directory that can be created ({e.strerror})")
     return out
+
+
+def _aside(out: Path, name: str) -> Path:
+    return out / f".{name}.replaced"
+
+
+def settle_out(out: Path) -> bool:
+    """After a run in ``out`` (or a killed one): delete the finished run's files ``prepare_out`` set aside when a new
+    results.json is there, else put them back. Returns whether something was put back."""
+    aside = [(name, _aside(out, name)) for name in (RESULTS, REPORT) if _aside(out, name).exists()]
+    if not aside:
+        return False
+    finished = (out / RESULTS).exists() and not (out / RESULTS).is_symlink()
+    for name, path in aside:
+        if finished:
+            path.unlink()
+        else:
+            path.replace(out / name)
+    return not finished
 
 
 def settings(args: argparse.Namespace, drop: tuple[str, ...] = ()) -> dict:

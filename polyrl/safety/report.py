@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import html
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +38,7 @@ def write_report(out_dir: str | Path, *, title: str, claim: str, verdict: str, r
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     res_path = out / "results.json"
-    res_path.write_text(json.dumps(results, indent=1, allow_nan=False, default=float))
+    text = json.dumps(_json_safe(results), indent=1, allow_nan=False, default=float)
     parts = [f"<h2>Claim</h2><p>{html.escape(claim)}</p>", f"<h2>Verdict</h2><p>{html.escape(verdict)}</p>"]
     parts += [f"<h2>{html.escape(h)}</h2>{t}" for h, t in (tables or {}).items()]
     for heading, path in (figures or {}).items():
@@ -51,4 +52,21 @@ def write_report(out_dir: str | Path, *, title: str, claim: str, verdict: str, r
             "<p class=muted>Raw numbers: results.json next to this file.</p></body></html>")
     html_path = out / "report.html"
     html_path.write_text(page, encoding="utf-8")
+    partial = out / ".results.json.partial"  # results.json last and whole: it marks a finished run (settle_out)
+    partial.write_text(text)
+    partial.replace(res_path)
     return {"results": res_path, "html": html_path}
+
+
+def _json_safe(x: Any) -> Any:
+    """``x`` with every nan or inf float (a run that diverged, an extreme setting) as None: JSON has no such numbers,
+    and the JSON writer raised on them after the run's figures were written."""
+    if getattr(x, "ndim", None) == 0:  # a numpy or torch scalar
+        x = x.item()
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _json_safe(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_json_safe(v) for v in x]
+    return x

@@ -21,7 +21,7 @@ import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from polyrl.errors import RewardError
+from polyrl.errors import RewardError, Terminated
 from polyrl.plugins import import_module_or_file
 from polyrl.tasks.base import Prompt, Task
 
@@ -35,6 +35,8 @@ def load_callable(spec: str) -> RewardFn:
         raise ValueError(f"reward function {spec!r}: write it as package.module:function or path/file.py:function")
     try:
         module = import_module_or_file(module_name)
+    except Terminated:
+        raise
     except (Exception, SystemExit) as e:  # a missing module, a syntax error, a module that raises or exits as it loads
         raise ValueError(f"reward function {spec!r}: cannot import {module_name!r} ({type(e).__name__}: "
                          f"{str(e).splitlines()[0] if str(e) else ''})") from None
@@ -98,6 +100,8 @@ class RewardChannels:
             else:
                 out = fn(prompts=[p.text for p in prompts], completions=list(completions),
                          answers=[p.answer for p in prompts])
+        except Terminated:  # SIGTERM while it ran: not the function's exit
+            raise
         except (Exception, SystemExit) as e:  # a user's function failed: one line here, its traceback in the run's log
             problem = f"called sys.exit({e.code!r})" if isinstance(e, SystemExit) else f"raised {type(e).__name__}: {e}"
             raise error(problem, trace=traceback.format_exc()) from None

@@ -62,21 +62,23 @@ def resume_settings(args: argparse.Namespace, run_dir: str):
     another method, advantage or setting would mix two runs under one record (config.json saying one thing,
     summary.json another), so only steps may change: any other differing value is refused in one line naming it."""
     from polyrl.families.duplex.train import DuplexTrainConfig, validate_config
-    from polyrl.runs import saved_record
+    from polyrl.runs import effective_config, recover_noted, saved_record
 
+    recover_noted(run_dir)  # an old run a killed --overwrite left aside is the one to resume
     saved = saved_record(run_dir)
     if saved is None:
         raise ConfigError(f"run_dir = '{run_dir}' holds no run to resume")
-    cfg = family_config({**saved["config"], **_given(args)}, DuplexTrainConfig, validate_config)
+    current = effective_config(run_dir)  # config.json with the earlier resumes' changes (an extended steps stays)
+    cfg = family_config({**current, **_given(args)}, DuplexTrainConfig, validate_config)
     method = _method(args, default=saved.get("method", "grpo"), advantage=saved.get("parts", {}).get("advantage"))
-    old = {**saved["config"], "method": saved.get("method"), **saved.get("parts", {})}
+    old = {**current, "method": saved.get("method"), **saved.get("parts", {})}
     new = {**asdict(cfg), "method": method.name, **_parts(method)}
     changed = [k for k in new if k != "steps" and k in old and old[k] != new[k]]
     if changed:
         k = changed[0]
         raise ConfigError(f"{k} = {new[k]!r} differs from the run's own {k} = {old[k]!r} in '{run_dir}'; a resume "
                           "keeps the run's settings (only steps may change)")
-    return cfg, method
+    return cfg, method, ({"steps": [old["steps"], cfg.steps]} if old.get("steps") != cfg.steps else {})
 
 
 def cmd_duplex_train(args: argparse.Namespace) -> int:
@@ -89,7 +91,14 @@ def cmd_duplex_train(args: argparse.Namespace) -> int:
     if args.resume:
         if args.overwrite:
             raise ConfigError("resume and overwrite are exclusive; pass one of them")
-        cfg, method = resume_settings(args, run_dir)
+        from polyrl.checkpoint import resume_checkpoint
+        from polyrl.families import check_resume_steps
+        from polyrl.runs import record_resume
+
+        cfg, method, changes = resume_settings(args, run_dir)
+        path, meta = resume_checkpoint(run_dir)
+        check_resume_steps(cfg.steps, meta["step"], run_dir)  # before anything is written: a refusal changes nothing
+        record_resume(run_dir, meta["step"], f"checkpoints/{path.name}", changes)
     where = (contextlib.nullcontext(run_dir) if args.resume else
              new_run(run_dir, overwrite=args.overwrite, inputs=vars(args)))
     with where as run:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -43,12 +42,15 @@ def _build(values: dict):
 def resume_config(run_dir: Path, given: dict):
     """The saved run's settings with the allowed changes from ``given`` (ConfigError on any other difference).
 
-    The changes are appended to ``config_history.jsonl`` by the caller (``polyrl.runs.record_resume``)."""
-    rec = run_dir / "config.json"
-    if not (run_dir / "checkpoint.pt").is_file() or not rec.is_file():
+    The changes are appended to ``config_history.jsonl`` by the caller (``polyrl.runs.record_resume``); the run's
+    settings are ``config.json`` with the earlier resumes' changes applied (an extended ``steps`` stays extended)."""
+    from polyrl.runs import effective_config, recover_noted, saved_record
+
+    recover_noted(run_dir)  # an old run a killed --overwrite left aside is the one to resume
+    saved = saved_record(run_dir)
+    if saved is None or not (run_dir / "checkpoint.pt").is_file():
         raise ConfigError(f"run_dir = '{run_dir}' has no checkpoint.pt and config.json to resume from")
-    saved = json.loads(rec.read_text())
-    values, changes = dict(saved["config"]), {}
+    values, changes = effective_config(run_dir), {}
     for k, v in given.items():
         if k in values and values[k] != v:
             if k not in MAY_CHANGE:
@@ -80,7 +82,11 @@ def cmd_marl_train(args: argparse.Namespace) -> int:
         from polyrl.families import check_resume_steps
         from polyrl.runs import record_resume
 
-        step = torch.load(run_dir / "checkpoint.pt", weights_only=False)["step"]
+        try:
+            step = torch.load(run_dir / "checkpoint.pt", weights_only=False)["step"]
+        except Exception as e:  # cut short by a kill, or not this family's checkpoint
+            raise ConfigError(f"run_dir = '{run_dir}': checkpoint.pt cannot be read ({type(e).__name__}: "
+                              f"{str(e).splitlines()[0] if str(e) else ''}); it cannot be resumed") from None
         check_resume_steps(cfg.steps, step, run_dir)  # before the summary goes: a refusal changes nothing
         (run_dir / "summary.json").unlink(missing_ok=True)
         record_resume(run_dir, step, "checkpoint.pt", changes)

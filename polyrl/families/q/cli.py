@@ -34,21 +34,23 @@ def resolve_train(args: argparse.Namespace):
     from polyrl.families.q.train import QTrainConfig, validate_config
 
     if getattr(args, "resume", False):
-        from polyrl.runs import effective_config, resume_values, saved_record
+        from polyrl.runs import effective_config, recover_noted, resume_values, saved_record
 
+        if args.run_dir:
+            recover_noted(args.run_dir)  # an old run a killed --overwrite left aside is the one to resume
         record = saved_record(args.run_dir) if args.run_dir else None
         if record is None:
             raise ConfigError(f"run_dir = {args.run_dir!r} holds no run (config.json) to resume; pass the run's "
                               "--run-dir or start without --resume")
         if args.config:
             raise ConfigError("config = given with --resume: a resume keeps the run's own settings; drop --config")
-        if args.method is not None and args.method != record["method"]:
-            raise ConfigError(f"method = {args.method!r} differs from the run's own method = {record['method']!r}")
+        if args.method is not None and args.method != record.get("method"):
+            raise ConfigError(f"method = {args.method!r} differs from the run's own method = {record.get('method')!r}")
         if args.lam is not None or args.period is not None:
             raise ConfigError("lam / period given with --resume: a resume keeps the run's own method; drop them")
         values, changes = resume_values(effective_config(args.run_dir), _given(args, QTrainConfig))
         cfg = build_config(values, QTrainConfig)
-        method = method_from_record(record["method"], record["parts"])
+        method = method_from_record(record.get("method"), record.get("parts"))
     else:
         values = load_toml(args.config, QTrainConfig) if args.config else {}
         values.update(_given(args, QTrainConfig))
@@ -66,7 +68,11 @@ def cmd_q_train(args: argparse.Namespace) -> int:
     if args.resume:
         if args.overwrite:
             raise ConfigError("resume and overwrite were both given; pick one")
-        record_resume(args.run_dir, load_checkpoint(args.run_dir)["step"], CHECKPOINT, changes)
+        from polyrl.families import check_resume_steps
+
+        step = load_checkpoint(args.run_dir)["step"]
+        check_resume_steps(cfg.steps, step, args.run_dir)  # fewer steps than done: refused before anything is written
+        record_resume(args.run_dir, step, CHECKPOINT, changes)
     where = (contextlib.nullcontext(Path(args.run_dir)) if args.resume else
              new_run(args.run_dir or f"runs/q/{method.name}-{cfg.task}-s{cfg.seed}", overwrite=args.overwrite,
                      inputs=vars(args)))

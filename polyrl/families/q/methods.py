@@ -67,5 +67,9 @@ def method_from_record(name: str, parts: dict) -> QMethod:
     """The method a run's ``config.json`` names (its preset with the recorded target_mode, period and lam)."""
     if name not in Q_METHODS:
         raise ConfigError(f"method = {name!r} is not allowed; allowed: {', '.join(Q_METHODS)}")
+    missing = [k for k in ("target_mode", "period", "lam") if not isinstance(parts, dict) or k not in parts]
+    if missing:
+        raise ConfigError(f"the run's config.json has no {', '.join(missing)} in its \"parts\"; its method is unknown, "
+                          "so it cannot be resumed")
     return validate_method(replace(Q_METHODS[name], target_mode=parts["target_mode"], period=parts["period"],
                                    lam=parts["lam"]))

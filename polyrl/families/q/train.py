@@ -103,8 +103,14 @@ def load_checkpoint(run_dir: str | Path) -> dict[str, Any]:
     path = Path(run_dir) / CHECKPOINT
     if not path.is_file():
         raise ConfigError(f"run_dir = '{run_dir}' has no {CHECKPOINT} to resume from; start it without --resume")
-    with open(path, "rb") as f:
-        return pickle.load(f)
+    try:
+        with open(path, "rb") as f:
+            state = pickle.load(f)
+        state["step"]
+    except Exception as e:  # cut short by a kill, or not this family's checkpoint
+        raise ConfigError(f"run_dir = '{run_dir}': {CHECKPOINT} cannot be read ({type(e).__name__}: "
+                          f"{str(e).splitlines()[0] if str(e) else ''}); it cannot be resumed") from None
+    return state
 
 
 def train_q(cfg: QTrainConfig, method: QMethod, *, run_dir: str | Path, resume: bool = False, console=None,

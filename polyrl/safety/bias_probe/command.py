@@ -101,6 +101,8 @@ def _check(args) -> None:
                     ("lm_steps", 1), ("lm_group", 2), ("eval_every", 1)):
         if getattr(args, opt) < lo:
             bad(opt.replace("_", "-"), getattr(args, opt), f"an integer >= {lo}")
+    if args.options > 2**24:  # torch.multinomial draws from at most 2**24 categories
+        bad("options", args.options, f"an integer in [2, {2**24}]")
     if args.repair_steps < 0:
         bad("repair-steps", args.repair_steps, "an integer >= 0")
     for opt in ("sim_lr", "lm_lr"):

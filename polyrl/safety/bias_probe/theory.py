@@ -55,6 +55,7 @@ def bernoulli_pg_onset_ode(p0: float, eta: float, b: float = 1.0, std_normalized
     terminal event at u = 0. Used to check ``bernoulli_pg_onset_time`` (spec §4(e) test 1).
     """
     from scipy.integrate import solve_ivp
+    from scipy.special import expit
 
     _check_p(p0)
     a = math.log(p0 / (1.0 - p0))
@@ -62,7 +63,7 @@ def bernoulli_pg_onset_ode(p0: float, eta: float, b: float = 1.0, std_normalized
         return 0.0
 
     def rhs(_t, u):
-        p = 1.0 / (1.0 + math.exp(-u[0]))
+        p = float(expit(u[0]))
         f = math.sqrt(p * (1.0 - p)) if std_normalized else p * (1.0 - p)
         return [eta * b * f]
 
@@ -200,6 +201,7 @@ def grpo_expected_drift(p: float, group: int, std_normalized: bool = True, eps: 
 def finite_group_onset_ode(p0: float, eta: float, b: float, group: int, std_normalized: bool = True) -> float:
     """Onset time of du/dt = eta*b*c_G(sigmoid(u)) (``grpo_expected_drift``), integrated to u = 0 (steps)."""
     from scipy.integrate import solve_ivp
+    from scipy.special import expit
 
     _check_p(p0)
     a = math.log(p0 / (1.0 - p0))
@@ -207,7 +209,7 @@ def finite_group_onset_ode(p0: float, eta: float, b: float, group: int, std_norm
         return 0.0
 
     def rhs(_t, u):
-        return [eta * b * grpo_expected_drift(1.0 / (1.0 + math.exp(-u[0])), group, std_normalized)]
+        return [eta * b * grpo_expected_drift(float(expit(u[0])), group, std_normalized)]
 
     def hit(_t, u):
         return u[0]

@@ -25,10 +25,10 @@ import numpy as np
 import polyrl.safety.redteam.game as game
 from polyrl.config import ConfigError
 from polyrl.lab.stats import bootstrap_ci
-from polyrl.safety.options import add_out_options, check_common, number_list, prepare_out, settings
+from polyrl.safety.options import add_out_options, check_common, number_list, prepare_out, refuse, settings
 from polyrl.safety.redteam.trainer import PHASES, AdversarialCoTrainer, CoTrainConfig, total_updates
 from polyrl.safety.report import table_html, write_report
-from polyrl.tasks.rewards import parse_reward_specs
+from polyrl.tasks.rewards import load_callable, parse_reward_specs
 
 J = "polyrl.safety.redteam.judges:"
 CLAIM = ("AdvGRPO (arXiv:2606.09701, spec §10): attacker and defender co-trained with GRPO using GDPO decoupled "
@@ -64,7 +64,15 @@ def _weights(args: argparse.Namespace) -> tuple[list[str], list[str], list[float
     out = []
     for role in ("attacker", "defender"):
         text = getattr(args, f"{role}_weights") or ""
-        specs, _ = parse_reward_specs(getattr(args, f"{role}_channels"), None)
+        given = getattr(args, f"{role}_channels")
+        specs, _ = parse_reward_specs(given, None)
+        if not given or "task" in specs:  # the game has no task of its own to check against
+            refuse(f"--{role}-channels", given, "comma-separated reward functions, each module:function")
+        for spec in specs:  # one line naming it when it cannot be imported, before --out is touched
+            try:
+                load_callable(spec)
+            except ValueError as e:
+                raise ConfigError(f"--{role}-channels: {e}") from None
         weights = number_list(text, f"--{role}-weights", f"{len(specs)} comma-separated finite numbers > 0, one "
                               "per channel", lambda v: v > 0, count=len(specs)) if text.strip() else [1.0] * len(specs)
         out.append((specs, weights))
