@@ -250,16 +250,14 @@ def _train_plan(args: argparse.Namespace, plan: TrainPlan) -> int:
     from polyrl.config import to_dict
     from polyrl.launch import relaunch, relaunches, world
     from polyrl.learner.dist import leave
-    from polyrl.runs import record_resume, write_record
+    from polyrl.runs import check_out_dir, record_resume, write_record
     from polyrl.trainer import train
 
     for note in plan.notes:
         console.print(note)
     cfg, method, task, run_dir = plan.cfg, plan.method, plan.task, plan.run_dir
     args.resolved_run_dir = run_dir  # for `main`'s line on Ctrl-C
-    blocker = next((p for p in [Path(run_dir), *Path(run_dir).parents] if p.exists() or p.is_symlink()), None)
-    if blocker is not None and not blocker.is_dir():
-        raise ConfigError(f"run_dir = {run_dir!r} is not allowed: {str(blocker)!r} is a file, not a directory")
+    check_out_dir(run_dir, "run_dir")
     if cfg.model is None:
         from polyrl.tinylm import warmstart
 
@@ -368,9 +366,11 @@ class OneLineParser(argparse.ArgumentParser):
 def cmd_compare(args: argparse.Namespace) -> int:
     import math
 
-    from polyrl.lab.compare import check_train_flags, parse_method_args, refuse_run_flags, split_label, validate_runs
+    from polyrl.lab.compare import check_train_flags, method_labels, parse_method_args, refuse_run_flags, validate_runs
+    from polyrl.runs import check_out_dir
 
-    presets = dict(split_label(m) for m in args.methods.split(",") if m.strip())  # label -> preset
+    check_out_dir(args.out)
+    presets = method_labels(args.methods)  # label -> preset
     methods = list(presets)
     if not methods:
         raise ConfigError("methods = '' : give at least one preset, e.g. --methods grpo,dapo")

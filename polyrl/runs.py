@@ -256,6 +256,15 @@ def replaceable(run_dir: str | Path, *, inputs: dict[str, Any] | None = None) ->
                       "summary.json, checkpoints/step_*): move those files or choose another --run-dir")
 
 
+def check_out_dir(path: str | Path, option: str = "--out") -> None:
+    """Refuse, in one line, an output directory that is a file or lies under one (it failed with a traceback after
+    the work was done, or before it with a file-system error)."""
+    where = Path(path)
+    blocker = next((p for p in [where, *where.parents] if p.exists() or p.is_symlink()), None)
+    if blocker is not None and not blocker.is_dir():
+        raise ConfigError(f"{option} = {str(path)!r} is not allowed: {str(blocker)!r} is a file, not a directory")
+
+
 def write_record(run_dir: str | Path, record: dict[str, Any]) -> None:
     """Write ``config.json`` for a new run; an existing one is the record of another run and is kept."""
     path = Path(run_dir) / CONFIG

@@ -89,6 +89,24 @@ def test_compare_refuses_a_method_flag_it_sets_per_run(tmp_path, capsys, no_runs
     assert not (tmp_path / "precious").exists()
 
 
+@pytest.mark.parametrize("methods, words", [
+    ("a=grpo,a=dapo", ["'a' is given twice"]),
+    ("grpo,grpo", ["'grpo' is given twice"]),
+    ("=grpo", ["'=grpo' is not allowed"]),
+    ("../esc=grpo", ["'../esc=grpo' is not allowed"]),
+    ("x=", ["'x=' is not allowed"]),
+])
+def test_compare_refuses_labels_that_would_drop_or_misplace_a_method(tmp_path, capsys, no_runs, tiny_model, methods,
+                                                                     words):
+    """A repeated label silently dropped a method, an empty one wrote its runs straight into --out and then said
+    every run failed, and ``../x`` wrote outside --out."""
+    argv = compare(tmp_path, "--model", tiny_model)
+    argv[argv.index("--methods") + 1] = methods
+    assert main(argv) == 2
+    one_line_error(capsys, "methods = ", *words)
+    assert not (tmp_path / "c").exists() and not (tmp_path / "esc").exists()
+
+
 def test_compare_with_no_finished_run_says_so_in_one_line(tmp_path, capsys, monkeypatch, tiny_model):
     monkeypatch.setattr("polyrl.lab.compare.run_all", lambda specs, **k: [(s, 1, 0.0) for s in specs])
     assert main(compare(tmp_path, "--model", tiny_model)) == 1
@@ -264,3 +282,17 @@ def test_compare_interrupted_says_how_to_go_on(tmp_path, capsys, monkeypatch, ti
         pytest.fail("KeyboardInterrupt escaped main")
     assert code == 130
     one_line_error(capsys, "interrupted", "run the same command again")
+
+
+@pytest.mark.parametrize("argv", [
+    ["q", "search", "--out", "FILE/x"],
+    ["duplex", "report", "--seeds", "1", "--out", "FILE"],
+    ["marl", "report", "--seeds", "1", "--out", "FILE"],
+    ["compare", "--family", "flow", "--methods", "flow_dppo", "--seeds", "1", "--out", "FILE"],
+])
+def test_an_out_that_is_a_file_is_refused_before_any_work(tmp_path, capsys, argv):
+    """These wrote into a file's path: a traceback after the search (q search) or before the first run."""
+    (tmp_path / "f").write_text("keep")
+    assert main([a.replace("FILE", str(tmp_path / "f")) for a in argv]) == 2
+    one_line_error(capsys, "--out = ", "is a file, not a directory")
+    assert (tmp_path / "f").read_text() == "keep"

@@ -182,3 +182,19 @@ def test_resume_remembers_an_extension_and_recovers_a_killed_overwrite(tmp_path,
     code, err = cli(capsys, "duplex", "train", "--steps", "3", "--run-dir", str(run), "--resume")
     assert code == 0 and "put back the run" in err, err  # ... and the resume continues the old run
     assert step_rows(run) == [1, 2, 3] and json.loads((run / "summary.json").read_text())["config"]["hidden"] == 8
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--task", "pause", "--decay", "0.9"], ["decay = 0.9", "task 'pause'", "'interrupt' axis"]),
+    (["--task", "interrupt", "--max-gap", "30"], ["max_gap = 30", "'turn' axis"]),
+    (["--imitation-steps", "0", "--imitation-lr", "1000"], ["imitation_lr = 1000.0", "imitation_steps = 0"]),
+])
+def test_settings_a_run_never_reads_are_refused(tmp_path, capsys, flags, words):
+    """A single-axis task never scores another axis's reward settings, and no imitation phase reads imitation_lr:
+    both ran to the same metrics as without them."""
+    tiny = [t for t in TINY if t not in ("--imitation-steps", "1")]
+    code, err = cli(capsys, "duplex", "train", "--steps", "1", *tiny, *flags, "--run-dir", str(tmp_path / "r"))
+    assert code == 2 and not (tmp_path / "r").exists()
+    one_line(err, *words, "does not apply")
+    assert cli(capsys, "duplex", "train", "--steps", "1", *TINY, "--task", "interrupt", "--decay", "0.3",
+               "--run-dir", str(tmp_path / "ok"))[0] == 0

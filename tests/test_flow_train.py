@@ -102,3 +102,20 @@ def test_conditional_policy_reads_its_context():
     own = mode_reward(x, task.modes(ctx), task.width).mean()
     other = mode_reward(x, task.modes(one_hot((ids + 1) % 4, 4)), task.width).mean()
     assert own > other + 0.05, (own, other)  # the pretrained target weights the asked modes twice
+
+
+def test_cps_with_one_sampler_step_is_refused(tmp_path, capsys):
+    """cps's last step is noise-free: with one step nothing was sampled, the gradient was 0 and the run 'trained'
+    with objective/ratio_max -3.4e38; `compare --family flow` checks it before its first run too."""
+    from polyrl.cli import main
+    from polyrl.families.flow.cli import check_train_flags
+
+    argv = ["--task", "reach", "--steps", "1", "--groups", "2", "--group-size", "2", "--eval-samples", "4",
+            "--schedule", "cps", "--sampler-steps", "1"]
+    assert main(["flow", "train", *argv, "--run-dir", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err
+    assert "sampler_steps = 1 is not allowed with schedule 'cps'" in err and err.count("\n") == 1, err
+    assert not (tmp_path / "r").exists()
+    with pytest.raises(Exception, match="sampler_steps = 1"):
+        check_train_flags(argv)
+    check_train_flags([*argv[:-1], "2"])

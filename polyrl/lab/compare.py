@@ -44,6 +44,23 @@ def split_label(entry: str) -> tuple[str, str]:
     return (label.strip(), preset.strip()) if eq else (entry.strip(), entry.strip())
 
 
+def method_labels(methods: str) -> dict[str, str]:
+    """``--methods a,tree=grpo`` -> {label: preset}. A label names the method's folder under --out and its rows in
+    the results: one that is empty, repeated (the later one silently replaced the earlier) or not a plain folder
+    name (``../x`` wrote outside --out) is refused in one line."""
+    out: dict[str, str] = {}
+    for entry in (m for m in methods.split(",") if m.strip()):
+        label, preset = split_label(entry)
+        if not label or not preset or label.startswith(".") or "/" in label or "\\" in label:
+            raise ConfigError(f"methods = {methods!r}: {entry.strip()!r} is not allowed; allowed: PRESET or "
+                              "LABEL=PRESET, LABEL a folder name under --out (no '/', not starting with '.')")
+        if label in out:
+            raise ConfigError(f"methods = {methods!r}: {label!r} is given twice; give each method (or LABEL=PRESET "
+                              "variant) once")
+        out[label] = preset
+    return out
+
+
 def parse_method_args(items: list[str] | None, methods: list[str]) -> dict[str, list[str]]:
     """``--method-args 'dppo_tv=--trust-region dppo_tv:delta_low=0.1 --lr 5e-5'`` -> {method: [flags]}."""
     out: dict[str, list[str]] = {}

@@ -119,7 +119,9 @@ def cmd_duplex_train(args: argparse.Namespace) -> int:
 
 def cmd_duplex_report(args: argparse.Namespace) -> int:
     from polyrl.families.duplex.report import write_duplex_report
+    from polyrl.runs import check_out_dir
 
+    check_out_dir(args.out)
     if args.seeds < 1:
         raise ConfigError(f"seeds = {args.seeds} is not allowed; allowed: an integer >= 1")
     if not 0 < args.ci < 1:

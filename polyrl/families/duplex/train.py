@@ -140,9 +140,25 @@ def validate_config(cfg: DuplexTrainConfig) -> None:
             raise ValueError(f"{name} = {v!r} is not allowed; allowed: >= 0")
 
 
+# The reward settings of one axis: a single-axis task (``--task pause``) never scores the others.
+AXIS_SETTINGS = {"turn": ("min_gap", "max_gap"), "interrupt": ("stop_within", "decay")}
+
+
 def check_method_settings(method: DuplexMethod, given: dict[str, Any]) -> None:
-    """Refuse an RL-only setting that was given (flag or TOML) with a method that has no RL phase: it would
-    change nothing, and a setting that changes nothing must not look as if it did (ValueError, one line)."""
+    """Refuse a setting that was given (flag or TOML) where it would change nothing, and a setting that changes
+    nothing must not look as if it did (ValueError, one line): an RL-only setting with a method that has no RL
+    phase, another axis's reward setting with a single-axis task, imitation settings with no imitation phase."""
+    task = given.get("task", DuplexTrainConfig.task)
+    for axis, names in AXIS_SETTINGS.items():
+        for name in names:
+            if task not in ("mix", axis) and name in given:
+                raise ValueError(f"{name} = {given[name]!r} does not apply to task {task!r} (a setting of the "
+                                 f"{axis!r} axis, which this task never scores); drop it or use task mix or {axis}")
+    if method.kind == "rl" and given.get("imitation_steps", DuplexTrainConfig.imitation_steps) == 0:
+        for name in ("imitation_lr", "imitation_batch"):
+            if name in given:
+                raise ValueError(f"{name} = {given[name]!r} does not apply with imitation_steps = 0 (no imitation "
+                                 "phase); drop it")
     if method.kind == "rl":
         return
     for name in RL_ONLY:

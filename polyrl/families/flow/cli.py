@@ -28,14 +28,24 @@ def _train_config(args: argparse.Namespace):
     return family_config(flag_values(args, FlowTrainConfig), FlowTrainConfig, validate_config)
 
 
-def cmd_flow_train(args: argparse.Namespace) -> int:
+def _resolve(args: argparse.Namespace):
+    """(settings, method) of `polyrl flow train`, each checked and checked together (one-line refusals)."""
     from polyrl.families.flow.methods import get_flow_method
-    from polyrl.families.flow.train import train_flow
-    from polyrl.runs import new_run, write_record
 
     cfg = _train_config(args)
     method = get_flow_method(args.method, advantage=args.advantage, loss=args.loss, schedule=args.schedule,
                              eta=args.eta, reduce=args.reduce, cfm_samples=args.cfm_samples)
+    if method.schedule == "cps" and cfg.sampler_steps < 2:  # cps's last step is noise-free: nothing to explore
+        raise ConfigError(f"sampler_steps = {cfg.sampler_steps} is not allowed with schedule 'cps'; allowed: >= 2 "
+                          "(its last step has no noise, so one step samples nothing to learn from)")
+    return cfg, method
+
+
+def cmd_flow_train(args: argparse.Namespace) -> int:
+    from polyrl.families.flow.train import train_flow
+    from polyrl.runs import new_run, write_record
+
+    cfg, method = _resolve(args)
     parts = {"advantage": str(method.advantage), "loss": str(method.loss), "schedule": method.schedule,
              "eta": method.eta, "reduce": method.reduce, "cfm_samples": method.cfm_samples}
     with new_run(args.run_dir or f"runs/flow/{method.name}-{cfg.task}-s{cfg.seed}", overwrite=args.overwrite,
@@ -117,12 +127,7 @@ def check_train_flags(argv: list[str]) -> None:
 
     `polyrl compare --family flow` checks every method's flags with this before the first run starts.
     """
-    args = parse_train_flags(argv, "polyrl flow train", add_train_args)
-    from polyrl.families.flow.methods import get_flow_method
-
-    _train_config(args)
-    get_flow_method(args.method, advantage=args.advantage, loss=args.loss, schedule=args.schedule, eta=args.eta,
-                    reduce=args.reduce, cfm_samples=args.cfm_samples)
+    _resolve(parse_train_flags(argv, "polyrl flow train", add_train_args))
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:

@@ -141,7 +141,9 @@ def report_methods(text: str) -> list[str]:
 def cmd_marl_report(args: argparse.Namespace) -> int:
     """Check every report option before the first run trains (a bad one fails in one line, not after training)."""
     from polyrl.families.marl.report import run_report
+    from polyrl.runs import check_out_dir
 
+    check_out_dir(args.out)
     if args.seeds < 1:
         raise ConfigError(f"seeds = {args.seeds} is not allowed; allowed: an integer >= 1")
     if not 0 < args.ci < 1:

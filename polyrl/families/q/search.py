@@ -111,6 +111,9 @@ OUTPUTS = ("search.json", "spectral_radius.png")
 def check_out(out_dir: str | Path, *, overwrite: bool) -> None:
     """Refuse (ValueError) an ``out_dir`` that already holds a search unless ``overwrite``: another seed's result
     would otherwise be replaced silently."""
+    from polyrl.runs import check_out_dir
+
+    check_out_dir(out_dir)
     held = [name for name in OUTPUTS if (Path(out_dir) / name).exists()]
     if held and not overwrite:
         raise ValueError(f"out = '{out_dir}' already holds {', '.join(held)}; pass --overwrite or another --out")
