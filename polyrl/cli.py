@@ -542,6 +542,14 @@ def build_parser(*, family: str | None = None) -> OneLineParser:
     return parser
 
 
+def _out_of_memory(e: BaseException) -> bool:
+    """Whether ``e`` is an allocation that failed (torch's CPU or CUDA allocator, numpy, Python): a size too large
+    for this machine, said in one line instead of a traceback from deep inside the step."""
+    text = str(e)
+    return isinstance(e, MemoryError) or type(e).__name__ == "OutOfMemoryError" or any(
+        s in text for s in ("can't allocate memory", "not enough memory", "array is too big", "out of memory"))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser()
@@ -569,13 +577,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     except TrainingError as e:  # the run itself failed, not its configuration
         print(f"polyrl: training stopped: {e}", file=sys.stderr)
         return 1
+    except (MemoryError, RuntimeError, ValueError) as e:
+        if not _out_of_memory(e):
+            raise
+        line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        print(f"polyrl: out of memory ({line[:200]}); lower the sizes that scale memory (batch, groups, group "
+              "size, samples, hidden, layers, max new tokens)", file=sys.stderr)
+        return 1
     except Terminated as e:  # SIGTERM/SIGHUP while a command that unwinds on them ran (runs.signals_unwind)
         print(f"polyrl: terminated by a signal (exit code {e.code})", file=sys.stderr)
         return int(e.code)
     except KeyboardInterrupt:  # Ctrl-C: one line saying how to go on (checkpoints are written atomically)
         how = ""
         run_dir = getattr(args, "resolved_run_dir", None)  # set by cmd_train once the run directory is known
-        if args.command == "compare":
+        if args.command == "compare" and getattr(args, "family", None):  # family runs restart (plan_runs)
+            how = "; run the same command again to go on (finished runs are kept, interrupted ones start over)"
+        elif args.command == "compare":
             how = "; run the same command again to resume (finished runs are kept, interrupted ones resumed)"
         elif args.command == "train" and getattr(args, "restored_run", False):
             how = (f" before the new run started; the old run in {run_dir} is as it was (start again with "

@@ -281,7 +281,12 @@ def test_compare_interrupted_says_how_to_go_on(tmp_path, capsys, monkeypatch, ti
     except KeyboardInterrupt:
         pytest.fail("KeyboardInterrupt escaped main")
     assert code == 130
-    one_line_error(capsys, "interrupted", "run the same command again")
+    one_line_error(capsys, "interrupted", "run the same command again", "interrupted ones resumed")
+    # a family's runs restart from scratch (plan_runs gives them --overwrite): the line does not promise a resume
+    code = main(["compare", "--family", "flow", "--methods", "flow_dppo", "--seeds", "1", "--out",
+                 str(tmp_path / "f"), "--steps", "1"])
+    assert code == 130
+    one_line_error(capsys, "interrupted", "run the same command again", "interrupted ones start over")
 
 
 @pytest.mark.parametrize("argv", [
@@ -296,3 +301,25 @@ def test_an_out_that_is_a_file_is_refused_before_any_work(tmp_path, capsys, argv
     assert main([a.replace("FILE", str(tmp_path / "f")) for a in argv]) == 2
     one_line_error(capsys, "--out = ", "is a file, not a directory")
     assert (tmp_path / "f").read_text() == "keep"
+
+
+def test_an_allocation_that_fails_is_one_line_and_other_errors_still_raise(tmp_path, capsys, monkeypatch):
+    """`q train --size 1000000`, `duplex train --hidden 10000000`: numpy's and torch's allocation errors were
+    tracebacks from deep inside the step. A bug that is no allocation failure keeps its traceback."""
+    for error in (RuntimeError("[enforce fail at alloc_cpu.cpp:127] DefaultCPUAllocator: can't allocate memory"),
+                  ValueError("array is too big; `arr.size * arr.dtype.itemsize` is larger than the maximum"),
+                  MemoryError()):
+        def fails(*a, error=error, **k):
+            raise error
+
+        monkeypatch.setattr("polyrl.families.q.train.train_q", fails)
+        assert main(["q", "train", "--run-dir", str(tmp_path / "q")]) == 1
+        one_line_error(capsys, "polyrl: out of memory", "lower the sizes")
+        assert not (tmp_path / "q").exists()
+
+    def bug(*a, **k):
+        raise RuntimeError("shape mismatch")
+
+    monkeypatch.setattr("polyrl.families.q.train.train_q", bug)
+    with pytest.raises(RuntimeError, match="shape mismatch"):
+        main(["q", "train", "--run-dir", str(tmp_path / "q")])

@@ -324,3 +324,19 @@ def test_experiment_runs_end_to_end_and_writes_the_report(tmp_path):
     assert alpha0 == pytest.approx([r["behaviour"]["tuned"]["dependence"] for r in res["seeds"]], abs=1e-5)
     page = (out / "report.html").read_text()
     assert "Verdict" in page and page.count("data:image/png;base64") >= 3
+
+
+def test_answers_are_unknown_where_a_number_overflowed():
+    """`--alphas 0,1e308 --headline-alpha 1e308` steered to inf: its interval came back as None and `answers` raised
+    TypeError after the run. An unmeasurable answer is None ("not measurable" in the verdict)."""
+    from polyrl.safety.probe.command import answers
+
+    keys = ("probe_acc_tuned", "cosine", "proj_std_ratio", "selective_ratio", "dependence_tuned", "dependence_steered",
+            "dependence_amplified", "sae_attr_rate_tuned", "dependence_base")
+    s = {k: {"lo": 0.95, "hi": 0.99, "mean": 0.97, "n": 3} for k in keys}
+    assert answers(s)["steering_restores"] is True and answers(s)["behaviour_neutral"] is False
+    s["dependence_steered"] = {"lo": None, "hi": None, "mean": None, "n": 3}
+    s["proj_std_ratio"] = {"lo": float("nan"), "hi": float("nan"), "mean": float("nan"), "n": 3}
+    got = answers(s)
+    assert got["steering_restores"] is None and got["variance_compressed"] is None
+    assert got["amplification_restores"] is True and got["direction_survives"] is True

@@ -182,15 +182,19 @@ def answers(s: dict[str, Any]) -> dict[str, bool | None]:
     def hi(key):
         return s[key]["hi"]
 
+    def known(test, *values):  # None (unknown) when a number is missing: a run whose values overflowed (nan)
+        return None if any(v is None or v != v for v in values) else bool(test(*values))
+
     base_dep = s["dependence_base"]["mean"]
     return {
-        "direction_survives": lo("probe_acc_tuned") >= 0.9 and lo("cosine") >= 0.5,
-        "variance_compressed": hi("proj_std_ratio") < 1.0,
-        "selectively_compressed": hi("selective_ratio") < 1.0,
-        "behaviour_neutral": hi("dependence_tuned") < 0.1,
-        "steering_restores": lo("dependence_steered") > 0.5 * base_dep,
-        "amplification_restores": lo("dependence_amplified") > 0.5 * base_dep,
-        "sae_features_silent": None if s["sae_attr_rate_tuned"]["n"] == 0 else hi("sae_attr_rate_tuned") < 0.05,
+        "direction_survives": known(lambda a, c: a >= 0.9 and c >= 0.5, lo("probe_acc_tuned"), lo("cosine")),
+        "variance_compressed": known(lambda h: h < 1.0, hi("proj_std_ratio")),
+        "selectively_compressed": known(lambda h: h < 1.0, hi("selective_ratio")),
+        "behaviour_neutral": known(lambda h: h < 0.1, hi("dependence_tuned")),
+        "steering_restores": known(lambda d, b: d > 0.5 * b, lo("dependence_steered"), base_dep),
+        "amplification_restores": known(lambda d, b: d > 0.5 * b, lo("dependence_amplified"), base_dep),
+        "sae_features_silent": None if s["sae_attr_rate_tuned"]["n"] == 0 else
+        known(lambda h: h < 0.05, hi("sae_attr_rate_tuned")),
     }
 
 
