@@ -119,3 +119,24 @@ def test_cps_with_one_sampler_step_is_refused(tmp_path, capsys):
     with pytest.raises(Exception, match="sampler_steps = 1"):
         check_train_flags(argv)
     check_train_flags([*argv[:-1], "2"])
+
+
+def test_a_damaged_cached_policy_is_trained_again_and_an_unwritable_cache_is_one_line(tmp_path, capsys):
+    """A truncated velocity.pt (or flow_meta.json) in the cache stopped every flow command with EOFError /
+    JSONDecodeError; POLYRL_CACHE naming a file failed with NotADirectoryError after pretraining."""
+    from polyrl.errors import ConfigError
+    from polyrl.families.flow.policy import META_FILE, WEIGHTS_FILE, PretrainSettings, pretrain
+
+    settings = PretrainSettings(steps=2, hidden=8, layers=1)
+    first = pretrain(settings, cache=tmp_path)
+    assert not first.cached and pretrain(settings, cache=tmp_path).cached
+    weights = tmp_path / first.path.rsplit("/", 1)[-1] / WEIGHTS_FILE
+    weights.write_bytes(weights.read_bytes()[:50])
+    again = pretrain(settings, cache=tmp_path)
+    assert not again.cached and "cannot be read" in capsys.readouterr().err
+    assert pretrain(settings, cache=tmp_path).cached
+    (weights.parent / META_FILE).write_text("{")
+    assert not pretrain(settings, cache=tmp_path).cached
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ConfigError, match="cannot be created"):
+        pretrain(settings, cache=tmp_path / "file")

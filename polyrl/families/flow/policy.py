@@ -13,6 +13,7 @@ import hashlib
 import json
 import math
 import os
+import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
@@ -20,6 +21,8 @@ from pathlib import Path
 
 import torch
 from torch import Tensor, nn
+
+from polyrl.errors import ConfigError
 
 META_FILE = "flow_meta.json"
 WEIGHTS_FILE = "velocity.pt"
@@ -161,9 +164,20 @@ def pretrain(settings: PretrainSettings = PretrainSettings(), *, cache: str | Pa
     final = root / f"{s.target}-h{s.hidden}-l{s.layers}-seed{s.seed}-{digest}"
     model = build_model(settings)
     if (final / META_FILE).is_file():
-        meta = json.loads((final / META_FILE).read_text())
-        model.load_state_dict(torch.load(final / WEIGHTS_FILE, weights_only=True))
-        return PretrainResult(model=model, path=str(final), loss=meta["loss"], seconds=meta["seconds"], cached=True)
+        try:
+            meta = json.loads((final / META_FILE).read_text())
+            model.load_state_dict(torch.load(final / WEIGHTS_FILE, weights_only=True))
+            return PretrainResult(model=model, path=str(final), loss=float(meta["loss"]),
+                                  seconds=float(meta["seconds"]), cached=True)
+        except Exception as e:  # written atomically, so damaged by hand: a cache entry is trained again, not fatal
+            print(f"polyrl: warning: the cached flow policy {final} cannot be read ({type(e).__name__}); training "
+                  "it again", file=sys.stderr)
+            model = build_model(settings)
+    try:  # before training: a cache that cannot be written fails now, in one line, not after the work
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"the flow policy cache {str(root)!r} cannot be created ({e.strerror or e}); set "
+                          "POLYRL_CACHE to a writable directory") from None
     target = make_target(s.target)
     g = torch.Generator().manual_seed(s.seed)
     opt = torch.optim.Adam(model.parameters(), lr=s.lr)
@@ -180,7 +194,6 @@ def pretrain(settings: PretrainSettings = PretrainSettings(), *, cache: str | Pa
         sched.step()
         tail = (tail + [loss.item()])[-100:]
     seconds = time.perf_counter() - started
-    root.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=root))
     torch.save(model.state_dict(), staging / WEIGHTS_FILE)
     meta = dict(asdict(s), loss=sum(tail) / len(tail), seconds=seconds)
