@@ -177,6 +177,10 @@ def resolve_train(args: argparse.Namespace) -> TrainPlan:
     elif any((Path(run_dir) / f).exists() for f in ("config.json", "metrics.jsonl")):
         raise ConfigError(f"run_dir = {run_dir!r} already holds a run with no checkpoint to resume; pass "
                           "--overwrite to start over, or another --run-dir")
+    else:
+        from polyrl.runs import refuse_foreign
+
+        refuse_foreign(run_dir, inputs={**vars(flat(cfg)), "config": getattr(args, "config", None)})
     return plan
 
 

@@ -235,15 +235,10 @@ def replaceable(run_dir: str | Path, *, inputs: dict[str, Any] | None = None) ->
         raise ConfigError(f"run_dir = {str(run)!r} is the current directory or one above it; --overwrite "
                           "will not delete it: choose another --run-dir")
     root = run.resolve()
-    for name, value in (inputs or {}).items():
-        if name in RUN_CONTROL:
-            continue
-        pieces = [value, *str(value).split(",")] if isinstance(value, (str, Path)) else []
-        for piece in {q for p in pieces for q in (str(p).strip(), str(p).strip().rpartition(":")[0]) if q}:
-            where = Path(piece).expanduser()
-            if where.exists() and (where.resolve() == root or root in where.resolve().parents):
-                raise ConfigError(f"run_dir = {str(run)!r} holds {name} = {str(value)!r}, which this run reads; "
-                                  "--overwrite will not delete it: move it out or choose another --run-dir")
+    for name, value, where in _input_paths(inputs):
+        if where == root or root in where.parents:
+            raise ConfigError(f"run_dir = {str(run)!r} holds {name} = {str(value)!r}, which this run reads; "
+                              "--overwrite will not delete it: move it out or choose another --run-dir")
     held = run_contents(run)
     nested = [p.name for p in run.iterdir() if p.is_dir() and p.name != "checkpoints" and run_contents(p)]
     if held and not nested:
@@ -263,6 +258,38 @@ def check_out_dir(path: str | Path, option: str = "--out") -> None:
     blocker = next((p for p in [where, *where.parents] if p.exists() or p.is_symlink()), None)
     if blocker is not None and not blocker.is_dir():
         raise ConfigError(f"{option} = {str(path)!r} is not allowed: {str(blocker)!r} is a file, not a directory")
+
+
+def _input_paths(inputs: dict[str, Any] | None) -> list[tuple[str, Any, Path]]:
+    """(setting, value, resolved path) of every existing path a command's settings name: a string value may name
+    paths, also as ``a,b`` or ``path:function``."""
+    found = []
+    for name, value in (inputs or {}).items():
+        if name in RUN_CONTROL:
+            continue
+        pieces = [value, *str(value).split(",")] if isinstance(value, (str, Path)) else []
+        for piece in {q for p in pieces for q in (str(p).strip(), str(p).strip().rpartition(":")[0]) if q}:
+            where = Path(piece).expanduser()
+            if where.exists():
+                found.append((name, value, where.resolve()))
+    return found
+
+
+def refuse_foreign(run_dir: str | Path, *, inputs: dict[str, Any] | None = None) -> None:
+    """A new run (no ``--overwrite``) does not start in a directory of files that are no polyrl run (a later
+    ``--overwrite`` would delete them with it): one line naming them. Files the command reads (``inputs``, e.g. its
+    ``--config`` TOML) may be there."""
+    run = Path(run_dir)
+    if not run.is_dir() or run_contents(run):
+        return
+    read = [where for _, _, where in _input_paths(inputs)]
+    foreign = sorted(p.name for p in run.iterdir()
+                     if not any(w == p.resolve() or p.resolve() in w.parents for w in read))
+    if foreign:
+        raise ConfigError(f"run_dir = {str(run)!r} holds {len(foreign)} entr{'y' if len(foreign) == 1 else 'ies'} "
+                          f"({', '.join(foreign[:4])}{', ...' if len(foreign) > 4 else ''}) and no polyrl run; a run "
+                          "there would be mixed with them (and --overwrite would delete them with it): choose an "
+                          "empty or new --run-dir")
 
 
 def write_record(run_dir: str | Path, record: dict[str, Any]) -> None:
@@ -304,6 +331,8 @@ def new_run(run_dir: str | Path, *, overwrite: bool, inputs: dict[str, Any] | No
             raise ConfigError(f"run_dir = '{run}' is a file, not a directory; choose another --run-dir")
         if not overwrite and any((run / name).exists() for name in ("metrics.jsonl", "summary.json", CONFIG)):
             raise ConfigError(f"run_dir = '{run}' already holds a run; pass --overwrite or another --run-dir")
+        if not overwrite:
+            refuse_foreign(run, inputs=inputs)
         aside = set_aside_run(run) if overwrite and replaceable(run, inputs=inputs) else None
         created = not run.exists()
         try:

@@ -83,6 +83,27 @@ def test_overwrite_refuses_a_directory_that_is_not_a_run(tiny_model, tmp_path, c
     assert (precious / "notes.txt").read_text() == "important"
 
 
+@pytest.mark.parametrize("family", [None, "flow"])
+def test_a_new_run_does_not_start_among_foreign_files(family, tiny_model, tmp_path, capsys, monkeypatch):
+    """`train --run-dir DIR` (or `flow train`) on a directory of other files started the run among them; a later
+    `--overwrite` then saw a polyrl run there and deleted notes.txt with it. A file the command reads may be there."""
+    monkeypatch.chdir(tmp_path)
+    precious = tmp_path / "precious"
+    precious.mkdir()
+    (precious / "notes.txt").write_text("important")
+    cmd = (_small(tiny_model, "precious") + ["--steps", "1"] if family is None else
+           ["flow", "train", "--task", "reach", "--steps", "1", "--groups", "2", "--group-size", "2",
+            "--eval-samples", "4", "--run-dir", "precious"])
+    code, err = _cli(cmd, capsys)
+    _one_line(code, err, "run_dir = 'precious'", "notes.txt", "no polyrl run", "choose an empty or new --run-dir")
+    assert [p.name for p in precious.iterdir()] == ["notes.txt"]
+    (precious / "notes.txt").unlink()
+    (precious / "my.toml").write_text("steps = 1\n")
+    code, err = _cli([*cmd, "--config", "precious/my.toml"], capsys)
+    assert code == 0, err
+    assert (precious / "my.toml").is_file() and (precious / "summary.json").is_file()
+
+
 def test_clear_run_dir_clears_a_run_or_nothing_and_refuses_the_rest(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     empty = tmp_path / "empty"
