@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from polyrl.config import ConfigError, TrainConfig, add_config_args, flat, settings
+from polyrl.runs import check_out_dir
 
 
 def add_method_args(p: argparse.ArgumentParser) -> None:
@@ -108,12 +109,18 @@ def resolve_train(args: argparse.Namespace) -> TrainPlan:
     names = {s.name for s in settings(TrainConfig)}
     values.update({k: v for k, v in vars(args).items() if k in names and v is not None})
     if values.get("resume_from") is not None:
+        if values.get("resume") is False:  # --no-resume (or resume = false) beside a checkpoint to resume from
+            raise ConfigError(f"resume = false and resume_from = {values['resume_from']!r} contradict each other; "
+                              "drop one")
         values["resume"] = True
     overrides = {k: getattr(args, k) for k in METHOD_OVERRIDES if getattr(args, k, None) is not None}
     given = build_config(values)
+    if given.run_dir is not None and not str(given.run_dir).strip():
+        raise ConfigError("run_dir = '' is not allowed: a directory path (leave it out for runs/METHOD-TASK-sSEED)")
     run_dir = given.run_dir or f"runs/{method_from_overrides(given.method, overrides).name}-{given.task}-s{given.seed}"
     changes: dict[str, list] = {}
     notes: list[str] = []
+    check_out_dir(run_dir, "run_dir")
     _recover_replaced(run_dir, notes)  # before anything reads the run directory (its config.json for --resume)
     if given.resume and not given.overwrite:
         values, overrides, changes = _resume_settings(run_dir, values, overrides, notes)
@@ -165,6 +172,9 @@ def resolve_train(args: argparse.Namespace) -> TrainPlan:
     if cfg.resume:
         checkpoint, meta = resume_checkpoint(run_dir, cfg.resume_from)
         cfg.resume_from, plan.resume_step = str(checkpoint), int(meta["step"])
+        from polyrl.families import check_resume_steps
+
+        check_resume_steps(cfg.steps, plan.resume_step, run_dir)  # fewer: nothing trains, the record disagrees
     elif world()[0] != 0:  # ranks > 0 of a multi-process run leave the run directory to rank 0
         pass
     elif cfg.overwrite:  # only an empty directory or a polyrl run is replaced; anything else is refused
@@ -416,7 +426,8 @@ def build_components(cfg: TrainConfig, method, task, model_dir: str) -> Componen
         return Components(source=RankSource(None), evaluate=RankEvaluator(None), writes=False, **parts)
     arbiter = None
     if cfg.agency.baseline is not None:  # agency transfer: a frozen baseline acts first, the learner takes over
-        baseline, _ = load_policy(cfg.agency.baseline, dtype=cfg.dtype, threads=_trainer_threads(cfg))
+        baseline, _ = load_policy(cfg.agency.baseline, dtype=cfg.dtype, threads=_trainer_threads(cfg),
+                                  setting="agency")
         arbiter = generator.arbiter = AgencyArbiter(baseline, parse_schedule(cfg.agency.schedule),
                                                     mode=cfg.agency.mode)
     runner = EpisodeRunner(generator, tokenizer, task, own_weights=ranks is not None or cfg.engine.backend == "vllm")

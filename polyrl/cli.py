@@ -565,6 +565,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.error(parser.unrecognized(args, extra))
         args.extra = extra  # shared `polyrl train` flags, validated per method before any run
     try:
+        for dest in ("run_dir", "out"):  # "" would mean the default run directory (then --overwrite deletes it)
+            value = getattr(args, dest, None)
+            if isinstance(value, str) and not value.strip():
+                raise ConfigError(f"{dest} = {value!r} is not allowed: a directory path (leave the flag out for "
+                                  "the default)")
         for module in args.plugin:
             load_plugin(module)
         if not uses_manifest(args):

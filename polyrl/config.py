@@ -231,7 +231,8 @@ def load_toml(path: str | os.PathLike, cls: type = TrainConfig) -> dict[str, Any
             for s in known.values():
                 if s.path[0] == f.name:
                     by_table[f"{f.name}.{s.path[1]}"] = by_table[f"{f.default_factory.PREFIX}.{s.path[1]}"] = s.name
-    out = {}
+    out: dict[str, Any] = {}
+    written_as: dict[str, str] = {}
     for key, value in data.items():
         items = [(f"{key}.{k}", v) for k, v in value.items()] if isinstance(value, dict) else [(key, value)]
         for written, v in items:
@@ -242,7 +243,11 @@ def load_toml(path: str | os.PathLike, cls: type = TrainConfig) -> dict[str, Any
                 hint = f" (did you mean {near[0]!r}?)" if near else ""
                 raise ConfigError(f"config file {str(p)!r}: unknown field {written!r}{hint}; "
                                   f"allowed: {', '.join(sorted(known))}")
+            if setting in out:  # `lora_rank` and `[lora] rank`, or `warmup-steps` and `warmup_steps`: one silently won
+                raise ConfigError(f"config file {str(p)!r}: {written!r} and {written_as[setting]!r} both set "
+                                  f"{setting}; give it once")
             out[setting] = v
+            written_as[setting] = written
     return out
 
 
@@ -265,8 +270,10 @@ def build_config(values: dict[str, Any], cls: type = TrainConfig) -> Any:
             allowed = ("one of " + ", ".join(map(repr, typing.get_args(s.type)))
                        if typing.get_origin(s.type) is Literal else getattr(base, "__name__", base))
             raise ConfigError(f"{s.name} = {value!r} must be {allowed}")
-        if base is float and not math.isfinite(value):
-            raise ConfigError(f"{s.name} = {value!r} must be a finite number")
+        if base is float and not (abs(value) < 1e308 if isinstance(value, int) else math.isfinite(value)):
+            raise ConfigError(f"{s.name} = {value!r} must be a finite number")  # (an int past 1e308 has no float)
+        if base is int and not -2**63 < value < 2**63:  # past int64, torch's C++ raised an overflow traceback
+            raise ConfigError(f"{s.name} = {value!r} must be an integer of magnitude below 2**63")
         value = float(value) if base is float else value
         if len(s.path) == 1:
             top[s.name] = value
@@ -311,6 +318,9 @@ def validate(config: TrainConfig) -> None:
         v = getattr(cfg, name)
         _rule(name, v, v >= 0, "must be an integer >= 0")
     _rule("seed", cfg.seed, 0 <= cfg.seed < 2**32, "must be an integer in [0, 2**32)")
+    _rule("threads", cfg.threads, cfg.threads <= 4096, "must be an integer in [0, 4096] (0 = all cores)")
+    _rule("train_prompts", cfg.train_prompts, cfg.train_prompts <= 10**7,  # the pool is built before step 1
+          "must be an integer in [0, 10000000] (0 = the whole train split)")
     _rule("lr", cfg.lr, cfg.lr > 0, "must be > 0")
     _rule("critic_lr", cfg.critic_lr, cfg.critic_lr > 0, "must be > 0")
     _rule("weight_decay", cfg.weight_decay, cfg.weight_decay >= 0, "must be >= 0")
@@ -328,7 +338,8 @@ def validate(config: TrainConfig) -> None:
     _rule("tree_prune", cfg.tree_prune, 0 <= cfg.tree_prune < 0.5, "must be in [0, 0.5)")
     _rule("tree_half_life", cfg.tree_half_life, cfg.tree_half_life >= 0, "must be >= 0 (0 = no ageing)")
     if cfg.agency is not None:
-        _rule("agency", cfg.agency, Path(cfg.agency).is_dir(), "must be an existing local model directory")
+        _rule("agency", cfg.agency, bool(str(cfg.agency).strip()) and Path(cfg.agency).is_dir(),
+              "must be an existing local model directory")
         from polyrl.rollout.agency.config import parse_schedule
 
         try:

@@ -62,9 +62,9 @@ def check_vocab(student_tokenizer, teacher: str, setting: str = "teacher",
                 why: str = "on-policy distillation scores the student's token ids under the teacher") -> str | None:
     """Why the model in directory ``teacher`` (given as ``setting``) cannot score the student's tokens (one line), or
     None: the same token -> id map."""
-    from transformers import AutoTokenizer
+    from polyrl.model import load_tokenizer
 
-    theirs = AutoTokenizer.from_pretrained(teacher, local_files_only=True).get_vocab()
+    theirs = load_tokenizer(teacher, setting=setting).get_vocab()  # a missing or damaged one: one line naming it
     ours = student_tokenizer.get_vocab()
     if theirs == ours:
         return None
@@ -77,7 +77,7 @@ def load_teacher(teacher: str, *, dtype: str, threads: int | None) -> nn.Module:
     """The teacher as a frozen reference: loaded from its directory, eval mode, no gradient."""
     from polyrl.model import load_policy
 
-    model, _ = load_policy(teacher, dtype=dtype, threads=threads)  # type: ignore[arg-type]
+    model, _ = load_policy(teacher, dtype=dtype, threads=threads, setting="teacher")  # type: ignore[arg-type]
     return model.eval().requires_grad_(False)
 
 

@@ -287,6 +287,8 @@ def parse_part(text: str) -> tuple[str, dict[str, str]]:
             value = value.strip()
             if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":  # str(Part) quotes strings: 'sample'
                 value = value[1:-1]
+            if key.strip() in params:  # the later one silently won
+                raise PartError(f"parameter {key.strip()!r} is given twice in {text!r}; give it once")
             params[key.strip()] = value
     if not name:
         raise PartError(f"empty part name in {text!r}")

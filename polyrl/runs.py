@@ -254,7 +254,14 @@ def replaceable(run_dir: str | Path, *, inputs: dict[str, Any] | None = None) ->
 def check_out_dir(path: str | Path, option: str = "--out") -> None:
     """Refuse, in one line, an output directory that is a file or lies under one (it failed with a traceback after
     the work was done, or before it with a file-system error)."""
+    if not str(path).strip():
+        raise ConfigError(f"{option} = {str(path)!r} is not allowed: an empty path (it meant the current directory); "
+                          "give a directory")
     where = Path(path)
+    long = next((part for part in where.parts if len(part.encode()) > 255), None)
+    if long is not None:  # the file system's limit: it failed as "File name too long" deep inside the command
+        raise ConfigError(f"{option} = {str(path)[:60]!r}... is not allowed: a name in it is {len(long.encode())} "
+                          "bytes long; allowed: names of at most 255 bytes")
     blocker = next((p for p in [where, *where.parents] if p.exists() or p.is_symlink()), None)
     if blocker is not None and not blocker.is_dir():
         raise ConfigError(f"{option} = {str(path)!r} is not allowed: {str(blocker)!r} is a file, not a directory")

@@ -301,6 +301,9 @@ def test_an_out_that_is_a_file_is_refused_before_any_work(tmp_path, capsys, argv
     assert main([a.replace("FILE", str(tmp_path / "f")) for a in argv]) == 2
     one_line_error(capsys, "--out = ", "is a file, not a directory")
     assert (tmp_path / "f").read_text() == "keep"
+    if "FILE" in argv:  # an empty --out meant the current directory
+        assert main([a.replace("FILE", "") for a in argv]) == 2
+        one_line_error(capsys, "out = ''", "is not allowed")
 
 
 def test_an_allocation_that_fails_is_one_line_and_other_errors_still_raise(tmp_path, capsys, monkeypatch):

@@ -5,6 +5,7 @@ place, and damaged run-record files are refused in one line naming the file."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 from pathlib import Path
@@ -577,3 +578,51 @@ def test_a_signal_while_a_reward_function_runs_is_not_reported_as_its_exit():
     channels._fns = [exits]
     with pytest.raises(RewardError, match=r"called sys.exit\(3\)"):
         channels(prompts, ["1", "2"])
+
+
+def test_train_refusals_found_in_review(tiny_model, run, tmp_path, capsys, monkeypatch):
+    """Inputs that ran with an effect nobody asked for, or ended in a traceback; each is now one line, exit 2, and
+    leaves the run as it was."""
+    monkeypatch.chdir(tmp_path)
+    before = {p.name for p in run.rglob("*")}
+    record = (run / "config.json").read_text()
+    dup = tmp_path / "dup.toml"
+    dup.write_text("lora_rank = 2\n[lora]\nrank = 4\n")
+    cases = [
+        # an empty --run-dir meant the default run directory, which --overwrite then replaced
+        ([*_small(tiny_model, ""), "--overwrite"], ["run_dir = ''", "is not allowed"]),
+        # fewer steps than the checkpoint: nothing trained, and the record said 1 beside a 2-step checkpoint
+        (["train", "--run-dir", run, "--resume", "--steps", "1"], ["steps = 1 is not allowed", ">= 2"]),
+        (["train", "--run-dir", run, "--no-resume", "--resume-from", run / "checkpoints" / "step_000002"],
+         ["resume = false and resume_from", "contradict"]),
+        ([*_small(tiny_model, tmp_path / "n"), "--config", dup], ["'lora.rank' and 'lora_rank' both set"]),
+        ([*_small(tiny_model, tmp_path / "n"), "--advantage", "grpo:eps=inf"], ["'eps' = inf is out of range"]),
+        ([*_small(tiny_model, tmp_path / "n"), "--advantage", "grpo:eps=1,eps=2"], ["'eps' is given twice"]),
+        ([*_small(tiny_model, tmp_path / "n"), "--max-new-tokens", "99999999999999999999"], ["below 2**63"]),
+        ([*_small(tiny_model, tmp_path / "n"), "--threads", "99999999999"], ["threads = 99999999999"]),
+        ([*_small(tiny_model, tmp_path / "n"), "--train-prompts", "1000000000"], ["train_prompts = 1000000000"]),
+        ([*_small(tiny_model, tmp_path / "n"), "--agency", ""], ["agency = ''"]),
+        ([*_small(tiny_model, tmp_path / ("a" * 300))], ["is 300 bytes long"]),
+        ([*_small(tiny_model, tmp_path / "n"), "--method", "opd", "--teacher", run],
+         ["teacher = ", "no tokenizer"]),
+    ]
+    for argv, words in cases:
+        code, err = _cli(argv, capsys)
+        _one_line(code, err, *words)
+    assert {p.name for p in run.rglob("*")} == before and (run / "config.json").read_text() == record
+    assert not (tmp_path / "n").exists()
+
+
+def test_nan_next_token_distribution_stops_training_in_one_line():
+    """--lr 1e39 (inf in float32) or --temperature 1e-50 gave NaN logits, and sampling failed with "index 85 is out
+    of bounds"; it is now a TrainingError naming the cause."""
+    from polyrl.errors import TrainingError
+    from polyrl.rollout.generator import SamplingParams
+    from polyrl.rollout.hf import _pick
+
+    logits = torch.zeros(2, 5)
+    token, logp, _ = _pick(logits, SamplingParams(temperature=1.0), torch.tensor([0.1, 0.9]))
+    assert token.tolist() == [0, 4] and torch.allclose(logp, torch.full((2,), -math.log(5)))
+    logits[1, 2] = float("nan")
+    with pytest.raises(TrainingError, match="nan while sampling"):
+        _pick(logits, SamplingParams(temperature=1.0), torch.tensor([0.1, 0.9]))

@@ -42,6 +42,14 @@ def add_adapters(model: nn.Module, *, rank: int, alpha: float, targets: str, dro
     if isinstance(names, list) and head_names & set(names):
         raise ValueError(f"lora_targets = {targets!r} names the LM head ({', '.join(sorted(head_names))}); the head "
                          "is applied as a plain linear layer by the sampler and the trainer: leave it out")
+    if isinstance(names, list):  # PEFT refuses only when no name matches: one stray name would be ignored
+        modules = [name for name, _ in model.named_modules()]  # PEFT's rule: the full name or its dotted suffix
+        missing = [n for n in names if not any(m == n or m.endswith("." + n) for m in modules)]
+        if missing:
+            linear = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules()
+                             if isinstance(m, nn.Linear) and m is not head})
+            raise ValueError(f"lora_targets = {targets!r}: {', '.join(missing)} match no module of the model; "
+                             f"allowed: all-linear or names among {', '.join(linear)}")
     config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=names, bias="none")
     try:
         with warnings.catch_warnings():  # PEFT calls a transformers property deprecated in v5 (FutureWarning)

@@ -99,7 +99,7 @@ def reinforce(
     return r - r.mean() if baseline == "batch_mean" else r
 
 
-@ADVANTAGES.register("grpo", paper="arXiv:2402.03300", ranges={"eps": ">=0"}, tags=("needs_groups",))
+@ADVANTAGES.register("grpo", paper="arXiv:2402.03300", ranges={"eps": "[0, inf)"}, tags=("needs_groups",))
 def grpo(
     rewards: Tensor,
     group_ids: Tensor,
@@ -150,7 +150,7 @@ def rloo(
     return torch.where(n > 1, n / (n - 1.0).clamp_min(1.0) * (r - mean), torch.zeros_like(r))
 
 
-@ADVANTAGES.register("maxrl", paper="arXiv:2602.02710", ranges={"eps": ">=0"}, tags=("needs_groups",))
+@ADVANTAGES.register("maxrl", paper="arXiv:2602.02710", ranges={"eps": "[0, inf)"}, tags=("needs_groups",))
 def maxrl(
     rewards: Tensor,
     group_ids: Tensor,
@@ -172,7 +172,7 @@ def maxrl(
 
 
 @ADVANTAGES.register(
-    "group_centered_batch_std", paper="arXiv:2510.13786", ranges={"eps": ">=0"}, tags=("needs_groups",)
+    "group_centered_batch_std", paper="arXiv:2510.13786", ranges={"eps": "[0, inf)"}, tags=("needs_groups",)
 )
 def group_centered_batch_std(
     rewards: Tensor,
@@ -208,7 +208,7 @@ def _check_gdpo(p: dict) -> str | None:
 
 
 @ADVANTAGES.register(
-    "gdpo", paper="arXiv:2601.05242", ranges={"eps": ">=0"}, check=_check_gdpo, tags=("needs_groups", "channels")
+    "gdpo", paper="arXiv:2601.05242", ranges={"eps": "[0, inf)"}, check=_check_gdpo, tags=("needs_groups", "channels")
 )
 def gdpo(
     rewards: Tensor,

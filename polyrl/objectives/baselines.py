@@ -70,7 +70,7 @@ def opo(
     return torch.where(n > 1, r - baseline, torch.zeros_like(r))
 
 
-@ADVANTAGES.register("gpg", paper="arXiv:2504.02546", ranges={"eps": ">=0"}, tags=("needs_groups",))
+@ADVANTAGES.register("gpg", paper="arXiv:2504.02546", ranges={"eps": "[0, inf)"}, tags=("needs_groups",))
 def gpg(
     rewards: Tensor,
     group_ids: Tensor,
@@ -115,7 +115,7 @@ def _passk_group(pos: int, n: int, k: int) -> tuple[float, float]:
     return mean, neg_all
 
 
-@ADVANTAGES.register("passk", paper="arXiv:2508.10751", ranges={"k": ">=1", "eps": ">=0"},
+@ADVANTAGES.register("passk", paper="arXiv:2508.10751", ranges={"k": ">=1", "eps": "[0, inf)"},
                      tags=("needs_groups", "k_below_group", "pass_fail"))  # pass_fail: reads r > 0.5 as a pass
 def passk(
     rewards: Tensor,

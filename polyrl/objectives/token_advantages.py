@@ -106,7 +106,7 @@ def gae(
     return _whiten(adv, mask, unbiased=True, eps=1e-8, floor=False) if whiten else adv
 
 
-@ADVANTAGES.register("reinforce_pp", paper="arXiv:2501.03262", ranges={"gamma": "[0, 1]", "eps": ">0"})
+@ADVANTAGES.register("reinforce_pp", paper="arXiv:2501.03262", ranges={"gamma": "[0, 1]", "eps": "(0, inf)"})
 def reinforce_pp(
     rewards: Tensor,
     group_ids: Tensor,
@@ -129,7 +129,8 @@ def reinforce_pp(
     return _whiten(returns, mask, unbiased=False, eps=eps, floor=True)
 
 
-@ADVANTAGES.register("reinforce_pp_baseline", paper="arXiv:2501.03262", ranges={"eps": ">0"}, tags=("needs_groups",))
+@ADVANTAGES.register("reinforce_pp_baseline", paper="arXiv:2501.03262", ranges={"eps": "(0, inf)"},
+                     tags=("needs_groups",))
 def reinforce_pp_baseline(
     rewards: Tensor,
     group_ids: Tensor,

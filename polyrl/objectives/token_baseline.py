@@ -74,7 +74,7 @@ def _baseline(G: Tensor, W: Tensor, mask: Tensor, group_ids: Tensor, eps: float,
     return base
 
 
-@ADVANTAGES.register("optimal_token_baseline", paper="arXiv:2602.07078", ranges={"eps": ">=0"},
+@ADVANTAGES.register("optimal_token_baseline", paper="arXiv:2602.07078", ranges={"eps": "[0, inf)"},
                      tags=("needs_groups", "needs_sum_pi_sq"))
 def optimal_token_baseline(
     rewards: Tensor,
@@ -108,7 +108,7 @@ def optimal_token_baseline(
     return (G - _baseline(G, W, m, group_ids, eps, zero_tail)) * (m > 0).to(G.dtype)
 
 
-@ADVANTAGES.register("tir_optimal_token_baseline", paper="arXiv:2602.07078", ranges={"eps": ">=0"},
+@ADVANTAGES.register("tir_optimal_token_baseline", paper="arXiv:2602.07078", ranges={"eps": "[0, inf)"},
                      tags=("needs_groups", "needs_sum_pi_sq"))
 def tir_optimal_token_baseline(
     rewards: Tensor,

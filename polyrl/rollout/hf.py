@@ -36,6 +36,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from polyrl.errors import TrainingError
 from polyrl.model import float32_head, head_logits, linear_head, logit_softcap, process_logits
 from polyrl.rollout.agency.arbiter import AgencyArbiter
 from polyrl.rollout.generator import Sample, SamplingParams, draw_tokens
@@ -260,6 +261,10 @@ def _pick(logits: Tensor, params: SamplingParams, u: Tensor) -> tuple[Tensor, Te
     no filters): the limit distribution at temperature 0 is one-hot and carries no information.
     """
     logprobs = _processed(logits, params)
+    if torch.isnan(logprobs).any():  # diverged weights, or a temperature so small that logits / T overflow
+        raise TrainingError(f"the policy's next-token distribution is nan while sampling at temperature "
+                            f"{params.temperature:g}: the weights diverged (lower --lr) or the temperature is too "
+                            "small")
     if params.temperature == 0:
         token = logits.argmax(dim=-1)
     else:

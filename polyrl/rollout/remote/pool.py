@@ -201,7 +201,7 @@ def _init_ray(address: str | None, cpus: int, gpus_per_worker: float) -> None:
     if address:
         try:
             ray.init(address=address, **quiet)
-        except ConnectionError as e:
+        except (ConnectionError, ValueError) as e:  # no cluster there, or an address Ray cannot parse
             raise WorkerError(f"ray_address = {address!r}: {e}; a cluster with token authentication (Ray's "
                               "default) also needs RAY_AUTH_MODE=token and its token (RAY_AUTH_TOKEN or "
                               "~/.ray/auth_token) here, or use 'auto' on one of its nodes") from None
