@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from polyrl.config import ConfigError, TrainConfig, add_config_args, flat, settings
-from polyrl.runs import check_out_dir
+from polyrl.runs import check_out_dir, check_resume_steps
 
 
 def add_method_args(p: argparse.ArgumentParser) -> None:
@@ -172,8 +172,6 @@ def resolve_train(args: argparse.Namespace) -> TrainPlan:
     if cfg.resume:
         checkpoint, meta = resume_checkpoint(run_dir, cfg.resume_from)
         cfg.resume_from, plan.resume_step = str(checkpoint), int(meta["step"])
-        from polyrl.families import check_resume_steps
-
         check_resume_steps(cfg.steps, plan.resume_step, run_dir)  # fewer: nothing trains, the record disagrees
     elif world()[0] != 0:  # ranks > 0 of a multi-process run leave the run directory to rank 0
         pass

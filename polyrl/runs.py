@@ -399,6 +399,14 @@ def signals_unwind() -> Iterator[None]:
                 signal.signal(s, handler)
 
 
+def check_resume_steps(steps: int, done: int, run_dir) -> None:
+    """Refuse ``steps`` below the step of the checkpoint being resumed: the run would end with more rows logged than
+    its summary's steps say (and a policy trained longer than recorded)."""
+    if steps < done:
+        raise ConfigError(f"steps = {steps} is not allowed; allowed: >= {done}, the step of the checkpoint being "
+                          f"resumed in '{run_dir}'")
+
+
 def resume_values(saved: dict[str, Any], given: dict[str, Any], *, what: str = "") -> tuple[dict, dict]:
     """Merge settings ``given`` with ``--resume`` into the run's ``saved`` ones.
 

@@ -100,16 +100,6 @@ def parse_train_flags(argv: list[str], prog: str, add_train_args):
     return args
 
 
-def check_resume_steps(steps: int, done: int, run_dir) -> None:
-    """Refuse ``steps`` below the step of the checkpoint being resumed: the run would end with more rows logged than
-    its summary's steps say (and a policy trained longer than recorded)."""
-    from polyrl.errors import ConfigError
-
-    if steps < done:
-        raise ConfigError(f"steps = {steps} is not allowed; allowed: >= {done}, the step of the checkpoint being "
-                          f"resumed in '{run_dir}'")
-
-
 @contextmanager
 def diverged(where: str, lr_flag: str = "lr"):
     """Add where a divergence happened and which learning rate to lower to its one-line TrainingError."""

@@ -92,8 +92,7 @@ def cmd_duplex_train(args: argparse.Namespace) -> int:
         if args.overwrite:
             raise ConfigError("resume and overwrite are exclusive; pass one of them")
         from polyrl.checkpoint import resume_checkpoint
-        from polyrl.families import check_resume_steps
-        from polyrl.runs import record_resume
+        from polyrl.runs import check_resume_steps, record_resume
 
         cfg, method, changes = resume_settings(args, run_dir)
         path, meta = resume_checkpoint(run_dir)

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from polyrl.errors import TrainingError
-from polyrl.families import check_resume_steps, diverged
+from polyrl.families import diverged
 from polyrl.families.duplex.methods import DuplexMethod
 from polyrl.families.duplex.policy import GRUPolicy
 from polyrl.families.duplex.rewards import AXES
@@ -43,6 +43,7 @@ from polyrl.families.duplex.sim import (
     natural_agent,
     rewards,
 )
+from polyrl.runs import check_resume_steps
 
 
 @dataclass(frozen=True)

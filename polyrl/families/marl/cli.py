@@ -79,8 +79,7 @@ def cmd_marl_train(args: argparse.Namespace) -> int:
         method = get_marl_method(method_name)
         import torch
 
-        from polyrl.families import check_resume_steps
-        from polyrl.runs import record_resume
+        from polyrl.runs import check_resume_steps, record_resume
 
         try:
             step = torch.load(run_dir / "checkpoint.pt", weights_only=False)["step"]

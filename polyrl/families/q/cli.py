@@ -68,7 +68,7 @@ def cmd_q_train(args: argparse.Namespace) -> int:
     if args.resume:
         if args.overwrite:
             raise ConfigError("resume and overwrite were both given; pick one")
-        from polyrl.families import check_resume_steps
+        from polyrl.runs import check_resume_steps
 
         step = load_checkpoint(args.run_dir)["step"]
         check_resume_steps(cfg.steps, step, args.run_dir)  # fewer steps than done: refused before anything is written
