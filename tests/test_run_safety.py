@@ -626,3 +626,7 @@ def test_nan_next_token_distribution_stops_training_in_one_line():
     logits[1, 2] = float("nan")
     with pytest.raises(TrainingError, match="nan while sampling"):
         _pick(logits, SamplingParams(temperature=1.0), torch.tensor([0.1, 0.9]))
+    for temperature in (1e-50, 0.0):  # logits / T overflow; greedy takes the nan as its maximum
+        finite = torch.tensor([[1.0, 2.0, 3.0]]) if temperature else torch.tensor([[1.0, float("nan"), 3.0]])
+        with pytest.raises(TrainingError, match="nan while sampling"):
+            _pick(finite, SamplingParams(temperature=temperature), torch.tensor([0.5]))

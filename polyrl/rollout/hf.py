@@ -261,12 +261,16 @@ def _pick(logits: Tensor, params: SamplingParams, u: Tensor) -> tuple[Tensor, Te
     no filters): the limit distribution at temperature 0 is one-hot and carries no information.
     """
     logprobs = _processed(logits, params)
-    if torch.isnan(logprobs).any():  # diverged weights, or a temperature so small that logits / T overflow
-        raise TrainingError(f"the policy's next-token distribution is nan while sampling at temperature "
-                            f"{params.temperature:g}: the weights diverged (lower --lr) or the temperature is too "
-                            "small")
     if params.temperature == 0:
         token = logits.argmax(dim=-1)
     else:
         token = draw_tokens(logprobs, u)
-    return token, logprobs.gather(-1, token[:, None]).squeeze(1), logprobs
+    # A nan row (diverged weights, or logits / T overflowing at a tiny temperature) draws a token past the vocabulary
+    # or one with a nan log-prob: checked on the [n] draws, not on every [n, V] distribution.
+    bad = bool((token >= logprobs.shape[-1]).any())
+    chosen = logprobs.gather(-1, token.clamp(max=logprobs.shape[-1] - 1)[:, None]).squeeze(1)
+    if bad or bool(torch.isnan(chosen).any()):
+        raise TrainingError(f"the policy's next-token distribution is nan while sampling at temperature "
+                            f"{params.temperature:g}: the weights diverged (lower --lr) or the temperature is too "
+                            "small")
+    return token, chosen, logprobs
