@@ -398,6 +398,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
         module = family_module(args.family)
         shared, model = [*(["--task", args.task] if args.task else []), *args.extra], None
         command, resumable, check = (args.family, "train"), False, module.check_train_flags
+        args.checkpointed = getattr(module, "checkpointed", None)  # None: its runs restart (flow saves none)
     else:
         shared, model = ["--task", args.task or "addition", *args.extra], args.model
         if model is None:
@@ -419,7 +420,8 @@ def _run_compare(args, methods, presets, shared, per_method, model, command, res
 
     out = Path(args.out)
     specs = plan_runs(methods, list(range(args.seeds)), out, shared, per_method, model, workers=args.workers,
-                      presets=presets, command=command, resumable=resumable)
+                      presets=presets, command=command, resumable=resumable,
+                      checkpointed=getattr(args, "checkpointed", None))
     console.print(f"{len(specs)} run(s) to do of {len(methods) * args.seeds} (others finished)"
                   + (f"; model {model}" if model else ""))
     failed = [s for s, code, _ in run_all(specs, workers=args.workers, console=console) if code != 0]
@@ -595,7 +597,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:  # Ctrl-C: one line saying how to go on (checkpoints are written atomically)
         how = ""
         run_dir = getattr(args, "resolved_run_dir", None)  # set by cmd_train once the run directory is known
-        if args.command == "compare" and getattr(args, "family", None):  # family runs restart (plan_runs)
+        if args.command == "compare" and getattr(args, "family", None) and not getattr(args, "checkpointed", None):
             how = "; run the same command again to go on (finished runs are kept, interrupted ones start over)"
         elif args.command == "compare":
             how = "; run the same command again to resume (finished runs are kept, interrupted ones resumed)"

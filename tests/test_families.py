@@ -67,3 +67,23 @@ def test_the_lab_compares_flow_presets_over_seeds(tmp_path, capsys):
     results = json.loads((out / "results.json").read_text())
     assert set(results["methods"]) == {"flow_grpo", "fpo"} and (out / "report.html").is_file()
     assert json.loads((out / "fpo" / "seed0" / "summary.json").read_text())["method"] == "fpo"
+
+
+def test_the_lab_resumes_an_interrupted_family_run_that_saved_a_checkpoint(tmp_path, capsys):
+    """`compare --family duplex` said an interrupted run would be resumed, then gave it --overwrite: 154 steps were
+    discarded. A family run with a checkpoint (q, duplex, marl) now continues from it; flow saves none and restarts."""
+    from polyrl.families.q.cli import DEFAULT_METHOD
+    from polyrl.lab.compare import plan_runs
+
+    out = tmp_path / "cmp"
+    run = out / DEFAULT_METHOD / "seed0"
+    assert main(["q", "train", "--method", DEFAULT_METHOD, "--seed", "0", "--steps", "2", "--checkpoint-every", "1",
+                 "--run-dir", str(run)]) == 0
+    (run / "summary.json").unlink()  # as a stop between the checkpoint and the end leaves it
+    assert main(["compare", "--family", "q", "--methods", DEFAULT_METHOD, "--seeds", "1", "--out", str(out),
+                 "--steps", "4", "--checkpoint-every", "1"]) == 0
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "step" in r] == [1, 2, 3, 4]
+    assert json.loads((run / "config_history.jsonl").read_text())["changes"] == {"steps": [2, 4]}
+    flow = plan_runs(["fpo"], [0], out, [], {}, None, command=("flow", "train"), resumable=False)
+    assert flow[0].args[-1] == "--overwrite"

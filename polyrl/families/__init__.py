@@ -25,7 +25,8 @@ class Family:
 
     name: str  # the CLI command
     help: str  # one line for `polyrl --help`
-    module: str  # dotted module with ``add_parser(subparsers)`` and ``check_train_flags(flags)`` (the lab)
+    module: str  # dotted module with ``add_parser(subparsers)``, ``check_train_flags(flags)`` (the lab) and, for a
+    # family that saves checkpoints, ``checkpointed(run_dir)`` (the lab resumes an interrupted run that has one)
 
 
 FAMILIES: dict[str, Family] = {}

@@ -111,13 +111,13 @@ def refuse_run_flags(flags: list[str], where: str) -> None:
 def plan_runs(methods: list[str], seeds: list[int], out: Path, shared: list[str],
               per_method: dict[str, list[str]], model: str | None, workers: int = 1,
               presets: dict[str, str] | None = None, command: tuple[str, ...] = ("train",),
-              resumable: bool = True) -> list[RunSpec]:
+              resumable: bool = True, checkpointed: Callable[[Path], bool] | None = None) -> list[RunSpec]:
     """One RunSpec per (method, seed); a finished run is left out, an interrupted one gets --resume.
 
     ``presets`` maps a variant label to its preset (``--methods uniform=grpo,tree=grpo``); by default a
     method's label is its preset. ``command`` is the train command (``polyrl train``, or an RL family's, e.g.
-    ``flow train``); a family without checkpoints (``resumable=False``) restarts an interrupted run and takes no
-    ``--model`` or ``--threads``.
+    ``flow train``); a family (``resumable=False``) takes no ``--model`` or ``--threads``, and resumes an
+    interrupted run when its ``checkpointed(run_dir)`` says it saved one (q, duplex, marl), else restarts it (flow).
     """
     presets = presets or {}
     import os
@@ -132,7 +132,9 @@ def plan_runs(methods: list[str], seeds: list[int], out: Path, shared: list[str]
             run_dir = out / method / f"seed{seed}"
             if (run_dir / "summary.json").exists():
                 continue
-            resume = ["--resume"] if resumable and latest_checkpoint(run_dir) is not None else ["--overwrite"]
+            saved = checkpointed(run_dir) if checkpointed is not None else \
+                resumable and latest_checkpoint(run_dir) is not None
+            resume = ["--resume"] if saved else ["--overwrite"]
             args = [*command, "--method", presets.get(method, method), "--seed", str(seed), "--run-dir", str(run_dir),
                     *(["--model", model] if model is not None else []),
                     *shared, *per_method.get(method, []), *resume]

@@ -179,6 +179,15 @@ def add_train_args(p: argparse.ArgumentParser, *, run: bool = True) -> None:
         g.add_argument("--advantage", help="advantage estimator of an RL preset, e.g. grpo, rloo, group_centered")
 
 
+def checkpointed(run_dir) -> bool:
+    """Whether a run there saved a checkpoint to resume (`polyrl compare --family duplex` resumes it)."""
+    from pathlib import Path
+
+    from polyrl.checkpoint import latest_checkpoint
+
+    return latest_checkpoint(run_dir) is not None and (Path(run_dir) / "config.json").is_file()
+
+
 def check_train_flags(argv: list[str]) -> None:
     """Resolve `polyrl duplex train` flags without running: ConfigError/PartError in one line (`polyrl compare`)."""
     args = parse_train_flags(argv, "polyrl duplex train", add_train_args)

@@ -173,6 +173,11 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     add_config_args(p, MarlTrainConfig)
 
 
+def checkpointed(run_dir: Path) -> bool:
+    """Whether a run there saved a checkpoint to resume (`polyrl compare --family marl` resumes it)."""
+    return (Path(run_dir) / "checkpoint.pt").is_file() and (Path(run_dir) / "config.json").is_file()
+
+
 def check_train_flags(argv: list[str]) -> None:
     """Resolve `polyrl marl train` flags without running (ConfigError in one line); used by `polyrl compare`."""
     args = parse_train_flags(argv, "polyrl marl train", add_train_args)

@@ -147,6 +147,13 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--period", type=int, help="hard-copy period of the periodic preset (online steps, >= 1)")
 
 
+def checkpointed(run_dir: Path) -> bool:
+    """Whether a run there saved a checkpoint to resume (`polyrl compare --family q` resumes it)."""
+    from polyrl.families.q.train import CHECKPOINT
+
+    return (Path(run_dir) / CHECKPOINT).is_file() and (Path(run_dir) / "config.json").is_file()
+
+
 def check_train_flags(argv: list[str]) -> None:
     """Resolve `polyrl q train` flags without running (ConfigError in one line); used by `polyrl compare --family q`."""
     args = parse_train_flags(argv, "polyrl q train", add_train_args)
