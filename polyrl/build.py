@@ -109,7 +109,8 @@ def resolve_train(args: argparse.Namespace) -> TrainPlan:
     names = {s.name for s in settings(TrainConfig)}
     values.update({k: v for k, v in vars(args).items() if k in names and v is not None})
     if values.get("resume_from") is not None:
-        if values.get("resume") is False:  # --no-resume (or resume = false) beside a checkpoint to resume from
+        if getattr(args, "resume", None) is False:  # --no-resume beside a checkpoint to resume from (a TOML's
+            # resume = false gives way to the flag, as every TOML value does)
             raise ConfigError(f"resume = false and resume_from = {values['resume_from']!r} contradict each other; "
                               "drop one")
         values["resume"] = True

@@ -250,7 +250,7 @@ def _train_plan(args: argparse.Namespace, plan: TrainPlan) -> int:
     from polyrl.config import to_dict
     from polyrl.launch import relaunch, relaunches, world
     from polyrl.learner.dist import leave
-    from polyrl.runs import check_out_dir, record_resume, write_record
+    from polyrl.runs import check_out_dir, forget_unstarted, record_resume, write_record
     from polyrl.trainer import train
 
     for note in plan.notes:
@@ -277,6 +277,7 @@ def _train_plan(args: argparse.Namespace, plan: TrainPlan) -> int:
         Path(run_dir).mkdir(parents=True, exist_ok=True)
     except OSError as e:  # e.g. no permission
         raise ConfigError(f"run_dir = {run_dir!r} cannot be created: {e.strerror or e}") from None
+    existing = {p.name for p in Path(run_dir).iterdir()}  # e.g. its own --config TOML: not the new run's
     if cfg.resume:
         record_resume(run_dir, plan.resume_step, cfg.resume_from, plan.changes)
         said = "; ".join(f"{k} {old} -> {new}" for k, (old, new) in plan.changes.items())
@@ -291,7 +292,7 @@ def _train_plan(args: argparse.Namespace, plan: TrainPlan) -> int:
                         on_start=lambda: _drop_replaced(plan))
     except Exception:
         if not cfg.resume:
-            _forget_unstarted(Path(run_dir), created)
+            forget_unstarted(run_dir, created=created, existing=existing)
         raise
     leave()  # the ranks of --nproc / torchrun leave their process group together (no-op in one process)
     table = Table(title=f"{method.name} on {task.name}")
@@ -303,15 +304,6 @@ def _train_plan(args: argparse.Namespace, plan: TrainPlan) -> int:
     console.print(table)
     console.print(f"run files: {run_dir}/ (summary.json, metrics.jsonl, curves.png, tb/, checkpoints/)")
     return 0
-
-
-def _forget_unstarted(run_dir: Path, created: bool) -> None:
-    """A run refused while its parts were built (LoRA targets, a model's vocabulary) wrote only its config.json: remove
-    it (and the directory, if this command made it), so that the corrected command is not refused as a rerun."""
-    if [p.name for p in run_dir.iterdir()] == ["config.json"]:
-        (run_dir / "config.json").unlink()
-        if created:
-            run_dir.rmdir()
 
 
 class OneLineParser(argparse.ArgumentParser):

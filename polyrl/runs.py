@@ -17,7 +17,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -164,10 +164,21 @@ def drop_replaced(aside: Path | None) -> None:
     _remove(doomed)
 
 
-def run_started(run_dir: str | Path) -> bool:
-    """Whether a new run in ``run_dir`` got past building its parts: it wrote more than its ``config.json``."""
+def run_started(run_dir: str | Path, existing: Collection[str] = ()) -> bool:
+    """Whether a new run in ``run_dir`` got past building its parts: it wrote more than its ``config.json``
+    (``existing``: names that were there before it, such as its own ``--config`` TOML, do not count)."""
     run = Path(run_dir)
-    return run.is_dir() and any(p.name != CONFIG for p in run.iterdir())
+    return run.is_dir() and any(p.name != CONFIG and p.name not in existing for p in run.iterdir())
+
+
+def forget_unstarted(run_dir: str | Path, *, created: bool, existing: Collection[str] = ()) -> None:
+    """A new run stopped before it started (``run_started``) wrote only its config.json: remove it, and the
+    directory if the command made it and it is empty, so that the corrected command is not refused as a rerun."""
+    run = Path(run_dir)
+    if run.is_dir() and not run_started(run, existing):
+        (run / CONFIG).unlink(missing_ok=True)
+        if created and not any(run.iterdir()):
+            run.rmdir()
 
 
 def settle_replaced(run_dir: str | Path, aside: Path | None) -> bool:
@@ -342,14 +353,16 @@ def new_run(run_dir: str | Path, *, overwrite: bool, inputs: dict[str, Any] | No
             refuse_foreign(run, inputs=inputs)
         aside = set_aside_run(run) if overwrite and replaceable(run, inputs=inputs) else None
         created = not run.exists()
+        existing: set[str] = set()
         try:
             try:
                 run.mkdir(parents=True, exist_ok=True)
             except OSError as e:
                 raise ConfigError(f"run_dir = '{run}' cannot be created: {e.strerror or e}") from None
+            existing = {p.name for p in run.iterdir()}  # the command's own inputs (refuse_foreign let only those)
             yield run
         finally:
-            _settle_new_run(run, aside, created)
+            _settle_new_run(run, aside, created, existing)
 
 
 def recover_noted(run_dir: str | Path) -> None:
@@ -358,17 +371,15 @@ def recover_noted(run_dir: str | Path) -> None:
         print(f"polyrl: {note}", file=sys.stderr)
 
 
-def _settle_new_run(run: Path, aside: Path | None, created: bool) -> None:
+def _settle_new_run(run: Path, aside: Path | None, created: bool, existing: Collection[str]) -> None:
     """The end of ``new_run``: keep a started run (deleting the old one), else forget the new one and put the old one
     back; a file system that refuses is a warning line that lets the command's own outcome stand."""
     try:
         if aside is not None and aside.is_dir() and not aside.is_symlink():
             if settle_replaced(run, aside):
                 print(f"polyrl: the new run in {run} did not start; the old run there is as it was", file=sys.stderr)
-        elif run.is_dir() and not run_started(run):
-            (run / CONFIG).unlink(missing_ok=True)
-            if created and not any(run.iterdir()):
-                run.rmdir()
+        else:
+            forget_unstarted(run, created=created, existing=existing)
     except OSError as e:
         where = f"; the old run is still in {aside}" if aside is not None and aside.exists() else ""
         print(f"polyrl: warning: {run} could not be settled ({e.strerror or e}){where}", file=sys.stderr)

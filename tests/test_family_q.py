@@ -324,3 +324,23 @@ def test_q_resume_refuses_fewer_steps_and_damaged_files_in_one_line(tmp_path, ca
     code, err = cli(capsys, "q", "train", "--steps", "4", "--run-dir", str(run), "--resume")
     assert code == 2
     one_line(err, "no target_mode, period, lam")
+
+
+def test_q_resume_accepts_the_settings_it_already_has(tmp_path, capsys):
+    """`compare --family q` repeats --config and a method's --period on --resume; both were refused, so an interrupted
+    run could never finish. The same values are no change; another value is still refused in one line."""
+    from tests.helpers import cli, one_line
+
+    run, toml = tmp_path / "q", tmp_path / "q.toml"
+    toml.write_text("size = 4\n")
+    base = ["q", "train", "--method", "periodic", "--period", "3", "--config", str(toml), "--run-dir", str(run)]
+    assert cli(capsys, *base, "--steps", "2", "--checkpoint-every", "1")[0] == 0
+    assert cli(capsys, *base, "--steps", "3", "--resume")[0] == 0
+    assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()][-1] == 3
+    code, err = cli(capsys, *[a if a != "3" else "4" for a in base], "--steps", "4", "--resume")
+    assert code == 2
+    one_line(err, "period = 4 differs from the run's own period = 3")
+    toml.write_text("size = 5\n")
+    code, err = cli(capsys, *base, "--steps", "4", "--resume")
+    assert code == 2
+    one_line(err, "size = 5 differs")

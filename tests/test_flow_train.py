@@ -140,3 +140,10 @@ def test_a_damaged_cached_policy_is_trained_again_and_an_unwritable_cache_is_one
     (tmp_path / "file").write_text("x")
     with pytest.raises(ConfigError, match="cannot be created"):
         pretrain(settings, cache=tmp_path / "file")
+
+
+def test_cps_with_one_sampler_step_still_trains_a_cfm_loss():
+    """FPO's CFM loss learns from the initial noise even when cps's only step is noise-free: not refused."""
+    from polyrl.families.flow.cli import check_train_flags
+
+    check_train_flags(["--method", "fpo", "--schedule", "cps", "--eta", "0.5", "--sampler-steps", "1"])

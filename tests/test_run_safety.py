@@ -630,3 +630,40 @@ def test_nan_next_token_distribution_stops_training_in_one_line():
         finite = torch.tensor([[1.0, 2.0, 3.0]]) if temperature else torch.tensor([[1.0, float("nan"), 3.0]])
         with pytest.raises(TrainingError, match="nan while sampling"):
             _pick(finite, SamplingParams(temperature=temperature), torch.tensor([0.5]))
+
+
+def test_a_refused_run_beside_its_own_toml_can_be_run_again(tiny_model, tmp_path, capsys, monkeypatch):
+    """A run directory holding the command's own --config TOML: a run refused while it was built left its config.json
+    (the TOML made it look started), and the corrected command was refused with and without --overwrite."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "r").mkdir()
+    (tmp_path / "r" / "train.toml").write_text("steps = 1\n")
+    argv = [*_small(tiny_model, "r"), "--config", "r/train.toml", "--lora-rank", "2"]
+    code, err = _cli([*argv, "--lora-targets", "q_proj,bogus_proj"], capsys)
+    _one_line(code, err, "bogus_proj matches no module")
+    assert [p.name for p in (tmp_path / "r").iterdir()] == ["train.toml"]
+    assert _cli(argv, capsys)[0] == 0 and (tmp_path / "r" / "summary.json").is_file()
+    (tmp_path / "f").mkdir()
+    (tmp_path / "f" / "flow.toml").write_text("steps = 1\n")
+
+    def refused(*a, **k):
+        raise ConfigError("refused while its parts were built")
+
+    monkeypatch.setattr(FAMILY_TRAIN["flow"], refused)
+    flow = ["flow", "train", "--task", "reach", "--config", "f/flow.toml", "--run-dir", "f"]
+    assert _cli(flow, capsys)[0] == 2
+    assert [p.name for p in (tmp_path / "f").iterdir()] == ["flow.toml"]
+    monkeypatch.undo()
+    monkeypatch.chdir(tmp_path)
+    assert _cli([*flow, "--groups", "2", "--group-size", "2", "--eval-samples", "4"], capsys)[0] == 0
+
+
+def test_a_resume_from_flag_wins_over_a_toml_resume_false(run, tmp_path, capsys):
+    """Flags override the TOML: `resume = false` there and `--resume-from` given is a resume, not a contradiction
+    (which stays one for --no-resume on the command line)."""
+    toml = tmp_path / "r.toml"
+    toml.write_text("resume = false\n")
+    code, err = _cli(["train", "--config", toml, "--run-dir", run, "--resume-from",
+                      run / "checkpoints" / "step_000002", "--steps", "3"], capsys)
+    assert code == 0, err
+    assert json.loads((run / "summary.json").read_text())["steps"] == 3

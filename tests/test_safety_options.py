@@ -263,3 +263,28 @@ def test_out_help_names_the_real_default(tools, tool):
     assert f"(default runs/safety-{tool})" in text
     assert f"runs/safety-{tools[1][tool].prog}" not in text and "%(prog)" not in text
     assert tools[0].parse_args(["safety", tool]).out == f"runs/safety-{tool}"
+
+
+def test_a_stop_between_the_two_set_asides_loses_nothing(tmp_path, monkeypatch):
+    """report.html was set aside before results.json: a stop in between left the old results.json in place, so the
+    next command took the run for finished and deleted the old report."""
+    from pathlib import Path
+
+    for name in ("results.json", "report.html"):
+        (tmp_path / name).write_text(f"old {name}")
+    real, calls = Path.replace, []
+
+    def stop_after_one(self, target):
+        if calls:
+            raise KeyboardInterrupt
+        calls.append(self.name)
+        return real(self, target)
+
+    monkeypatch.setattr(Path, "replace", stop_after_one)
+    with pytest.raises(KeyboardInterrupt):
+        prepare_out(argparse.Namespace(out=str(tmp_path), overwrite=True))
+    monkeypatch.undo()
+    assert calls == ["results.json"]
+    settle_out(tmp_path)
+    assert {p.name: p.read_text() for p in tmp_path.iterdir()} == {"results.json": "old results.json",
+                                                                   "report.html": "old report.html"}

@@ -48,7 +48,8 @@ def add_adapters(model: nn.Module, *, rank: int, alpha: float, targets: str, dro
         if missing:
             linear = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules()
                              if isinstance(m, nn.Linear) and m is not head})
-            raise ValueError(f"lora_targets = {targets!r}: {', '.join(missing)} match no module of the model; "
+            raise ValueError(f"lora_targets = {targets!r}: {', '.join(missing)} "
+                             f"match{'es' if len(missing) == 1 else ''} no module of the model; "
                              f"allowed: all-linear or names among {', '.join(linear)}")
     config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=names, bias="none")
     try:

@@ -84,7 +84,7 @@ def prepare_out(args: argparse.Namespace) -> Path:
         if not getattr(args, "overwrite", False):
             raise ConfigError(f"--out = '{out}' already holds {RESULTS} from an earlier run; pass --overwrite to "
                               "replace it or choose another --out")
-        for name in (REPORT, RESULTS):  # results.json last: while it is there, nothing was set aside yet
+        for name in (RESULTS, REPORT):  # results.json first: while it is there, the run counts as finished
             if (out / name).exists():
                 (out / name).replace(_aside(out, name))
     try:

@@ -35,9 +35,11 @@ def _resolve(args: argparse.Namespace):
     cfg = _train_config(args)
     method = get_flow_method(args.method, advantage=args.advantage, loss=args.loss, schedule=args.schedule,
                              eta=args.eta, reduce=args.reduce, cfm_samples=args.cfm_samples)
-    if method.schedule == "cps" and cfg.sampler_steps < 2:  # cps's last step is noise-free: nothing to explore
+    if method.schedule == "cps" and cfg.sampler_steps < 2 and not method.needs_cfm:
+        # cps's last step is noise-free: with one step a log-prob loss has no step to score (a CFM loss, FPO's,
+        # still learns from the initial noise)
         raise ConfigError(f"sampler_steps = {cfg.sampler_steps} is not allowed with schedule 'cps'; allowed: >= 2 "
-                          "(its last step has no noise, so one step samples nothing to learn from)")
+                          "(its last step has no noise, so a log-prob loss has nothing to learn from)")
     return cfg, method
 
 

@@ -42,15 +42,18 @@ def resolve_train(args: argparse.Namespace):
         if record is None:
             raise ConfigError(f"run_dir = {args.run_dir!r} holds no run (config.json) to resume; pass the run's "
                               "--run-dir or start without --resume")
-        if args.config:
-            raise ConfigError("config = given with --resume: a resume keeps the run's own settings; drop --config")
         if args.method is not None and args.method != record.get("method"):
             raise ConfigError(f"method = {args.method!r} differs from the run's own method = {record.get('method')!r}")
-        if args.lam is not None or args.period is not None:
-            raise ConfigError("lam / period given with --resume: a resume keeps the run's own method; drop them")
-        values, changes = resume_values(effective_config(args.run_dir), _given(args, QTrainConfig))
-        cfg = build_config(values, QTrainConfig)
         method = method_from_record(record.get("method"), record.get("parts"))
+        for name in ("lam", "period"):  # the same value again is no change (`polyrl compare --family q` repeats them)
+            given = getattr(args, name)
+            if given is not None and given != getattr(method, name):
+                raise ConfigError(f"{name} = {given!r} differs from the run's own {name} = {getattr(method, name)!r}; "
+                                  "a resume keeps the run's method: drop it")
+        # a --config TOML is compared like the flags: what it repeats is no change, what it changes is refused
+        given = {**(load_toml(args.config, QTrainConfig) if args.config else {}), **_given(args, QTrainConfig)}
+        values, changes = resume_values(effective_config(args.run_dir), given)
+        cfg = build_config(values, QTrainConfig)
     else:
         values = load_toml(args.config, QTrainConfig) if args.config else {}
         values.update(_given(args, QTrainConfig))
