@@ -6,6 +6,11 @@ with ``--resume`` that differs from the saved value is refused with one line nam
 except the few in ``RESUME_MAY_CHANGE`` (extending a run, logging cadence, threads, where it runs), whose changes are
 appended to ``config_history.jsonl`` with the step they took effect at. After a kill, the logs hold
 steps that the checkpoint does not: ``cut_logs`` drops them, so no step appears twice.
+
+The directory's life is here too: ``new_run`` (and the train command through the same primitives) starts a run only
+in an empty directory or beside the command's own inputs (``refuse_foreign``), sets an old run aside for
+``--overwrite`` and puts it back when the new one never started, and ``signals_unwind`` makes SIGTERM unwind
+like Ctrl-C so that this happens.
 """
 
 from __future__ import annotations
@@ -387,9 +392,9 @@ def _settle_new_run(run: Path, aside: Path | None, created: bool, existing: Coll
 
 @contextlib.contextmanager
 def signals_unwind() -> Iterator[None]:
-    """SIGTERM and SIGHUP raise SystemExit(128 + signal) while the command runs, so that its ``finally`` blocks run
-    (as they do on Ctrl-C) instead of the process vanishing mid-way; a signal someone set to be ignored (nohup) or
-    handled stays so. Every handler the command may change (torch.distributed.run's launcher sets SIGINT, SIGQUIT,
+    """SIGTERM and SIGHUP raise ``Terminated(128 + signal)`` (a SystemExit) while the command runs, so that its
+    ``finally`` blocks run (as they do on Ctrl-C) instead of the process vanishing mid-way; a signal someone set to
+    be ignored (nohup) or handled stays so. Every handler the command may change (torch.distributed.run's launcher sets SIGINT, SIGQUIT,
     SIGTERM and SIGHUP) comes back after it."""
     if threading.current_thread() is not threading.main_thread():
         yield
