@@ -394,8 +394,8 @@ def _settle_new_run(run: Path, aside: Path | None, created: bool, existing: Coll
 def signals_unwind() -> Iterator[None]:
     """SIGTERM and SIGHUP raise ``Terminated(128 + signal)`` (a SystemExit) while the command runs, so that its
     ``finally`` blocks run (as they do on Ctrl-C) instead of the process vanishing mid-way; a signal someone set to
-    be ignored (nohup) or handled stays so. Every handler the command may change (torch.distributed.run's launcher sets SIGINT, SIGQUIT,
-    SIGTERM and SIGHUP) comes back after it."""
+    be ignored (nohup) or handled stays so. Every handler the command may change (torch.distributed.run's launcher
+    sets SIGINT, SIGQUIT, SIGTERM and SIGHUP) comes back after it."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
