@@ -321,6 +321,10 @@ def validate(config: TrainConfig) -> None:
     _rule("threads", cfg.threads, cfg.threads <= 4096, "must be an integer in [0, 4096] (0 = all cores)")
     _rule("train_prompts", cfg.train_prompts, cfg.train_prompts <= 10**7,  # the pool is built before step 1
           "must be an integer in [0, 10000000] (0 = the whole train split)")
+    rollouts = cfg.prompts_per_step * cfg.group_size  # one step's batch is generated and held at once
+    _rule("prompts_per_step", cfg.prompts_per_step, rollouts <= 10**6,
+          f"prompts_per_step x group_size ({rollouts}) must be at most 1000000 rollouts a step")
+    _rule("eval_prompts", cfg.eval_prompts, cfg.eval_prompts <= 10**6, "must be an integer in [1, 1000000]")
     _rule("lr", cfg.lr, cfg.lr > 0, "must be > 0")
     _rule("critic_lr", cfg.critic_lr, cfg.critic_lr > 0, "must be > 0")
     _rule("weight_decay", cfg.weight_decay, cfg.weight_decay >= 0, "must be >= 0")

@@ -147,3 +147,17 @@ def test_cps_with_one_sampler_step_still_trains_a_cfm_loss():
     from polyrl.families.flow.cli import check_train_flags
 
     check_train_flags(["--method", "fpo", "--schedule", "cps", "--eta", "0.5", "--sampler-steps", "1"])
+
+
+def test_sizes_past_a_million_samples_are_refused():
+    """`flow train --groups 1000000000` passed validation; on this machine the OOM killer then ended the process
+    (overcommit let the allocation through), with no line saying why."""
+    from dataclasses import replace
+
+    from polyrl.families.flow.train import validate_config
+
+    cfg = FlowTrainConfig(task="reach")
+    validate_config(cfg)
+    for bad in (dict(groups=10**9), dict(eval_samples=10**12), dict(groups=1001, group_size=1000)):
+        with pytest.raises(ValueError, match="at most 1000000 samples at once"):
+            validate_config(replace(cfg, **bad))

@@ -601,6 +601,9 @@ def test_train_refusals_found_in_review(tiny_model, run, tmp_path, capsys, monke
         ([*_small(tiny_model, tmp_path / "n"), "--max-new-tokens", "99999999999999999999"], ["below 2**63"]),
         ([*_small(tiny_model, tmp_path / "n"), "--threads", "99999999999"], ["threads = 99999999999"]),
         ([*_small(tiny_model, tmp_path / "n"), "--train-prompts", "1000000000"], ["train_prompts = 1000000000"]),
+        # a 1e8-prompt step ran out the clock building its batch
+        ([*_small(tiny_model, tmp_path / "n"), "--prompts-per-step", "100000000"], ["at most 1000000 rollouts"]),
+        ([*_small(tiny_model, tmp_path / "n"), "--eval-prompts", "100000000"], ["eval_prompts = 100000000"]),
         ([*_small(tiny_model, tmp_path / "n"), "--agency", ""], ["agency = ''"]),
         ([*_small(tiny_model, tmp_path / ("a" * 300))], ["is 300 bytes long"]),
         ([*_small(tiny_model, tmp_path / "n"), "--method", "opd", "--teacher", run],

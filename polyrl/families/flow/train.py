@@ -71,6 +71,10 @@ def validate_config(cfg: FlowTrainConfig) -> None:
         value = getattr(cfg, name)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} = {value!r} is not allowed; allowed: an integer >= 1")
+    if cfg.groups * cfg.group_size > 10**6 or cfg.eval_samples > 10**6:  # sampled at once: past this, the OOM killer
+        big = "groups" if cfg.groups * cfg.group_size > 10**6 else "eval_samples"
+        raise ValueError(f"{big} = {getattr(cfg, big)} is not allowed; allowed: at most 1000000 samples at once "
+                         f"(groups x group_size = {cfg.groups * cfg.group_size}, eval_samples = {cfg.eval_samples})")
     if not (math.isfinite(cfg.lr) and cfg.lr > 0):
         raise ValueError(f"lr = {cfg.lr!r} is not allowed; allowed: > 0")
     if not (math.isfinite(cfg.max_grad_norm) and cfg.max_grad_norm >= 0):
