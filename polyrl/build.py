@@ -116,12 +116,11 @@ def resolve_train(args: argparse.Namespace) -> TrainPlan:
         values["resume"] = True
     overrides = {k: getattr(args, k) for k in METHOD_OVERRIDES if getattr(args, k, None) is not None}
     given = build_config(values)
-    if given.run_dir is not None and not str(given.run_dir).strip():
-        raise ConfigError("run_dir = '' is not allowed: a directory path (leave it out for runs/METHOD-TASK-sSEED)")
-    run_dir = given.run_dir or f"runs/{method_from_overrides(given.method, overrides).name}-{given.task}-s{given.seed}"
+    run_dir = given.run_dir if given.run_dir is not None else \
+        f"runs/{method_from_overrides(given.method, overrides).name}-{given.task}-s{given.seed}"
     changes: dict[str, list] = {}
     notes: list[str] = []
-    check_out_dir(run_dir, "run_dir")
+    check_out_dir(run_dir, "run_dir")  # a file, a name too long, or '' (it meant the default run: TOML run_dir = "")
     _recover_replaced(run_dir, notes)  # before anything reads the run directory (its config.json for --resume)
     if given.resume and not given.overwrite:
         values, overrides, changes = _resume_settings(run_dir, values, overrides, notes)
@@ -170,6 +169,7 @@ def resolve_train(args: argparse.Namespace) -> TrainPlan:
 
         check_warmstart(cfg.task)
     plan = TrainPlan(cfg, method, task, run_dir, overrides, changes, notes=notes)
+    inputs = {**vars(flat(cfg)), "config": getattr(args, "config", None)}  # what --overwrite must not delete
     if cfg.resume:
         checkpoint, meta = resume_checkpoint(run_dir, cfg.resume_from)
         cfg.resume_from, plan.resume_step = str(checkpoint), int(meta["step"])
@@ -179,7 +179,7 @@ def resolve_train(args: argparse.Namespace) -> TrainPlan:
     elif cfg.overwrite:  # only an empty directory or a polyrl run is replaced; anything else is refused
         from polyrl.runs import replaceable
 
-        plan.replace = replaceable(run_dir, inputs={**vars(flat(cfg)), "config": getattr(args, "config", None)})
+        plan.replace = replaceable(run_dir, inputs=inputs)
     elif latest_checkpoint(run_dir) is not None:
         raise ConfigError(f"run_dir = {run_dir!r} already holds checkpoints; pass --resume to continue it, "
                           "--overwrite to start over, or another --run-dir")
@@ -189,7 +189,7 @@ def resolve_train(args: argparse.Namespace) -> TrainPlan:
     else:
         from polyrl.runs import refuse_foreign
 
-        refuse_foreign(run_dir, inputs={**vars(flat(cfg)), "config": getattr(args, "config", None)})
+        refuse_foreign(run_dir, inputs=inputs)
     return plan
 
 

@@ -250,14 +250,13 @@ def _train_plan(args: argparse.Namespace, plan: TrainPlan) -> int:
     from polyrl.config import to_dict
     from polyrl.launch import relaunch, relaunches, world
     from polyrl.learner.dist import leave
-    from polyrl.runs import check_out_dir, forget_unstarted, record_resume, write_record
+    from polyrl.runs import forget_unstarted, record_resume, write_record
     from polyrl.trainer import train
 
     for note in plan.notes:
         console.print(note)
     cfg, method, task, run_dir = plan.cfg, plan.method, plan.task, plan.run_dir
-    args.resolved_run_dir = run_dir  # for `main`'s line on Ctrl-C
-    check_out_dir(run_dir, "run_dir")
+    args.resolved_run_dir = run_dir  # for `main`'s line on Ctrl-C (resolve_train checked it: runs.check_out_dir)
     if cfg.model is None:
         from polyrl.tinylm import warmstart
 

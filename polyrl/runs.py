@@ -340,13 +340,15 @@ def start_run_dir(run_dir: str | Path, *, overwrite: bool, inputs: dict[str, Any
 
 
 @contextlib.contextmanager
-def new_run(run_dir: str | Path, *, overwrite: bool, inputs: dict[str, Any] | None = None) -> Iterator[Path]:
+def new_run(run_dir: str | Path, *, overwrite: bool, inputs: dict[str, Any] | None = None,
+            record: dict[str, Any] | None = None) -> Iterator[Path]:
     """``start_run_dir`` for a command whose run starts inside the block (the family commands), without losing the
     old run: a copy an earlier killed command left aside is recovered first (``recover_replaced``); ``overwrite``
     sets the old run aside (``set_aside_run``) instead of deleting it. When the block ends -- returned, refused,
     Ctrl-C, SIGTERM -- a new run that started (it wrote more than its ``config.json``) stays and the old one is
     deleted; one that did not is removed (its ``config.json``, the directory if the block made it) and the old run
-    is put back, so the same command can simply be run again."""
+    is put back, so the same command can simply be run again. ``record``: the run's ``config.json``
+    (``write_record``), written before the block runs."""
     run = Path(run_dir)
     with signals_unwind():
         recover_noted(run)
@@ -365,6 +367,8 @@ def new_run(run_dir: str | Path, *, overwrite: bool, inputs: dict[str, Any] | No
             except OSError as e:
                 raise ConfigError(f"run_dir = '{run}' cannot be created: {e.strerror or e}") from None
             existing = {p.name for p in run.iterdir()}  # the command's own inputs (refuse_foreign let only those)
+            if record is not None:
+                write_record(run, record)
             yield run
         finally:
             _settle_new_run(run, aside, created, existing)
@@ -413,6 +417,13 @@ def signals_unwind() -> Iterator[None]:
         for s, handler in previous.items():
             if handler is not None:  # None: set outside Python, not restorable from here
                 signal.signal(s, handler)
+
+
+def unreadable(run_dir: str | Path, name: str, e: BaseException) -> ConfigError:
+    """The one-line error for a run's checkpoint file ``name`` that cannot be read back (cut short by a kill, or not
+    this family's checkpoint)."""
+    why = f"{type(e).__name__}: {str(e).splitlines()[0]}" if str(e) else type(e).__name__
+    return ConfigError(f"run_dir = '{run_dir}': {name} cannot be read ({why}); it cannot be resumed")
 
 
 def check_resume_steps(steps: int, done: int, run_dir) -> None:

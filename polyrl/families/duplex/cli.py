@@ -83,7 +83,7 @@ def resume_settings(args: argparse.Namespace, run_dir: str):
 
 def cmd_duplex_train(args: argparse.Namespace) -> int:
     from polyrl.families.duplex.train import train_duplex
-    from polyrl.runs import new_run, write_record
+    from polyrl.runs import new_run
 
     cfg = _train_config(args)
     method = _method(args)
@@ -99,10 +99,9 @@ def cmd_duplex_train(args: argparse.Namespace) -> int:
         check_resume_steps(cfg.steps, meta["step"], run_dir)  # before anything is written: a refusal changes nothing
         record_resume(run_dir, meta["step"], f"checkpoints/{path.name}", changes)
     where = (contextlib.nullcontext(run_dir) if args.resume else
-             new_run(run_dir, overwrite=args.overwrite, inputs=vars(args)))
+             new_run(run_dir, overwrite=args.overwrite, inputs=vars(args),
+                     record={"config": asdict(cfg), "method": method.name, "parts": _parts(method)}))
     with where as run:
-        if not args.resume:
-            write_record(run, {"config": asdict(cfg), "method": method.name, "parts": _parts(method)})
         console.print(f"duplex method: {method.name} ({method.kind}, advantage {method.advantage})")
         s = train_duplex(cfg, method, run_dir=run, resume=args.resume, console=console)
     table = Table(title=f"{method.name} on {cfg.task}: per-axis metrics (fixed evaluation set)")

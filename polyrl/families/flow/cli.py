@@ -45,14 +45,13 @@ def _resolve(args: argparse.Namespace):
 
 def cmd_flow_train(args: argparse.Namespace) -> int:
     from polyrl.families.flow.train import train_flow
-    from polyrl.runs import new_run, write_record
+    from polyrl.runs import new_run
 
     cfg, method = _resolve(args)
     parts = {"advantage": str(method.advantage), "loss": str(method.loss), "schedule": method.schedule,
              "eta": method.eta, "reduce": method.reduce, "cfm_samples": method.cfm_samples}
     with new_run(args.run_dir or f"runs/flow/{method.name}-{cfg.task}-s{cfg.seed}", overwrite=args.overwrite,
-                 inputs=vars(args)) as run_dir:
-        write_record(run_dir, {"config": asdict(cfg), "method": method.name, "parts": parts})
+                 inputs=vars(args), record={"config": asdict(cfg), "method": method.name, "parts": parts}) as run_dir:
         console.print(f"flow method: {method.name} = " + "; ".join(f"{k} {v}" for k, v in parts.items()))
         s = train_flow(cfg, method, run_dir=run_dir, console=console)
     if s.get("pretrained"):

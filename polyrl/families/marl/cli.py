@@ -64,7 +64,7 @@ def resume_config(run_dir: Path, given: dict):
 def cmd_marl_train(args: argparse.Namespace) -> int:
     from polyrl.families.marl.methods import get_marl_method
     from polyrl.families.marl.train import train_marl
-    from polyrl.runs import new_run, write_record
+    from polyrl.runs import new_run
 
     given = _given(args)
     if args.resume:
@@ -79,27 +79,24 @@ def cmd_marl_train(args: argparse.Namespace) -> int:
         method = get_marl_method(method_name)
         import torch
 
-        from polyrl.runs import check_resume_steps, record_resume
+        from polyrl.runs import check_resume_steps, record_resume, unreadable
 
         try:
             step = torch.load(run_dir / "checkpoint.pt", weights_only=False)["step"]
         except Exception as e:  # cut short by a kill, or not this family's checkpoint
-            raise ConfigError(f"run_dir = '{run_dir}': checkpoint.pt cannot be read ({type(e).__name__}: "
-                              f"{str(e).splitlines()[0] if str(e) else ''}); it cannot be resumed") from None
+            raise unreadable(run_dir, "checkpoint.pt", e) from None
         check_resume_steps(cfg.steps, step, run_dir)  # before the summary goes: a refusal changes nothing
         (run_dir / "summary.json").unlink(missing_ok=True)
         record_resume(run_dir, step, "checkpoint.pt", changes)
     else:
         cfg = _build(given)
         method = get_marl_method(args.method or "mappo")
+    parts = {"critic": method.critic, "advantage": "gae", "trust_region": "clip", "aggregation": "token_mean",
+             "value_loss": "clipped_value_loss"}
     where = (contextlib.nullcontext(run_dir) if args.resume else
              new_run(args.run_dir or f"runs/marl/{method.name}-s{cfg.seed}", overwrite=args.overwrite,
-                     inputs=vars(args)))
+                     inputs=vars(args), record={"config": asdict(cfg), "method": method.name, "parts": parts}))
     with where as run_dir:
-        if not args.resume:
-            write_record(run_dir, {"config": asdict(cfg), "method": method.name, "parts": {
-                "critic": method.critic, "advantage": "gae", "trust_region": "clip", "aggregation": "token_mean",
-                "value_loss": "clipped_value_loss"}})
         console.print(f"marl method: {method.name} (critic {method.critic}); teams {cfg.teams}, "
                       f"{cfg.envs} episodes x {cfg.horizon} steps per batch")
         s = train_marl(cfg, method, run_dir=run_dir, console=console, resume=args.resume)

@@ -65,7 +65,7 @@ def resolve_train(args: argparse.Namespace):
 
 def cmd_q_train(args: argparse.Namespace) -> int:
     from polyrl.families.q.train import CHECKPOINT, load_checkpoint, train_q
-    from polyrl.runs import new_run, record_resume, write_record
+    from polyrl.runs import new_run, record_resume
 
     cfg, method, changes = resolve_train(args)
     if args.resume:
@@ -76,13 +76,11 @@ def cmd_q_train(args: argparse.Namespace) -> int:
         step = load_checkpoint(args.run_dir)["step"]
         check_resume_steps(cfg.steps, step, args.run_dir)  # fewer steps than done: refused before anything is written
         record_resume(args.run_dir, step, CHECKPOINT, changes)
+    parts = {"target_mode": method.target_mode, "period": method.period, "lam": method.lam}
     where = (contextlib.nullcontext(Path(args.run_dir)) if args.resume else
              new_run(args.run_dir or f"runs/q/{method.name}-{cfg.task}-s{cfg.seed}", overwrite=args.overwrite,
-                     inputs=vars(args)))
+                     inputs=vars(args), record={"config": asdict(cfg), "method": method.name, "parts": parts}))
     with where as run_dir:
-        if not args.resume:
-            parts = {"target_mode": method.target_mode, "period": method.period, "lam": method.lam}
-            write_record(run_dir, {"config": asdict(cfg), "method": method.name, "parts": parts})
         console.print(f"q method: {method.name} = target_mode {method.target_mode}; period {method.period}; "
                       f"lam {method.lam}")
         s = train_q(cfg, method, run_dir=run_dir, resume=args.resume, console=console)

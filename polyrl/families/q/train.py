@@ -108,8 +108,9 @@ def load_checkpoint(run_dir: str | Path) -> dict[str, Any]:
             state = pickle.load(f)
         state["step"]
     except Exception as e:  # cut short by a kill, or not this family's checkpoint
-        raise ConfigError(f"run_dir = '{run_dir}': {CHECKPOINT} cannot be read ({type(e).__name__}: "
-                          f"{str(e).splitlines()[0] if str(e) else ''}); it cannot be resumed") from None
+        from polyrl.runs import unreadable
+
+        raise unreadable(run_dir, CHECKPOINT, e) from None
     return state
 
 
