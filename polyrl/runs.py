@@ -271,8 +271,8 @@ def check_out_dir(path: str | Path, option: str = "--out") -> None:
     """Refuse, in one line, an output directory that is a file or lies under one (it failed with a traceback after
     the work was done, or before it with a file-system error)."""
     if not str(path).strip():
-        raise ConfigError(f"{option} = {str(path)!r} is not allowed: an empty path (it meant the current directory); "
-                          "give a directory")
+        raise ConfigError(f"{option} = {str(path)!r} is not allowed: an empty path; give a directory (or leave it "
+                          "out for the default)")
     where = Path(path)
     long = next((part for part in where.parts if len(part.encode()) > 255), None)
     if long is not None:  # the file system's limit: it failed as "File name too long" deep inside the command
