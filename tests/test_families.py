@@ -53,6 +53,26 @@ def test_flow_settings_come_from_a_toml_file_beneath_the_flags(tmp_path):
     assert cfg.steps == 7 and cfg.lr == 0.002 and cfg.task == FlowTrainConfig().task
 
 
+def test_a_command_reads_its_toml_once_so_every_part_sees_the_same_settings(tmp_path):
+    """duplex asks for the given settings several times (config, method checks, resume); a file edited meanwhile
+    must not give one part of the command other settings than another."""
+    import argparse
+
+    from polyrl.config import add_config_args
+    from polyrl.families import flag_values
+    from polyrl.families.duplex.train import DuplexTrainConfig
+
+    toml = tmp_path / "d.toml"
+    toml.write_text("steps = 7\n")
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--config")
+    add_config_args(parser, DuplexTrainConfig)
+    args = parser.parse_args(["--config", str(toml), "--lr", "0.002"])
+    first = flag_values(args, DuplexTrainConfig)
+    toml.write_text("steps = 9\n")
+    assert flag_values(args, DuplexTrainConfig) == first == {"steps": 7, "lr": 0.002}
+
+
 def test_the_lab_compares_flow_presets_over_seeds(tmp_path, capsys):
     out = tmp_path / "cmp"
     flags = ["--task", "reach", "--steps", "3", "--groups", "4", "--group-size", "4", "--sampler-steps", "4",

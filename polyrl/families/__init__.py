@@ -60,12 +60,17 @@ def family_module(name: str):
 
 def flag_values(args, cls) -> dict:
     """A family's settings as given: its TOML file (``args.config``, when the command has one) beneath the flags that
-    were given (None = not given), by the field names of its config dataclass ``cls``."""
+    were given (None = not given), by the field names of its config dataclass ``cls``. The file is read once per
+    command (kept on ``args``), so every part of the command sees the same settings, however often it asks."""
     from dataclasses import fields
 
     from polyrl.config import load_toml
 
-    values = load_toml(args.config, cls) if getattr(args, "config", None) else {}
+    path = getattr(args, "config", None)
+    read = vars(args).setdefault("_toml_read", {})
+    if path and (path, cls) not in read:
+        read[path, cls] = load_toml(path, cls)
+    values = dict(read[path, cls]) if path else {}
     values.update({f.name: getattr(args, f.name) for f in fields(cls) if getattr(args, f.name, None) is not None})
     return values
 

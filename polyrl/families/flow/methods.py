@@ -39,11 +39,18 @@ class FlowMethod:
     @property
     def needs_steps(self) -> bool:
         """The loss uses per-step log-probs and means (replayed through the SDE sampler)."""
-        return "steps" in FLOW_LOSSES.spec(self.loss.name).tags
+        return _reads(self.loss, "steps")
 
     @property
     def needs_cfm(self) -> bool:
-        return "cfm" in FLOW_LOSSES.spec(self.loss.name).tags
+        """The loss uses stored (t, eps) pairs (``cfm_samples`` of them per action)."""
+        return _reads(self.loss, "cfm")
+
+
+def _reads(loss: Part, tag: str) -> bool:
+    """Whether the flow loss reads what ``tag`` names: 'steps' (per-step log-probs, so ``reduce``) or 'cfm'
+    (stored (t, eps) pairs, so ``cfm_samples``). The one place these two settings' relevance is decided."""
+    return tag in FLOW_LOSSES.spec(loss.name).tags
 
 
 def build_flow_method(name: str, *, advantage: PartLike, loss: PartLike, schedule: str = "flow_grpo",
@@ -89,9 +96,8 @@ def _refuse_unread(name: str, loss: Part, given: dict[str, Any]) -> None:
     ``cfm_samples`` only feeds losses tagged 'cfm' (FPO's stored (t, eps) pairs); ``reduce`` is the unit of the
     step log-probs, which only losses tagged 'steps' read (rollouts and the path KL do not depend on it).
     """
-    tags = FLOW_LOSSES.spec(loss.name).tags
     for key, tag in (("cfm_samples", "cfm"), ("reduce", "steps")):
-        if key in given and tag not in tags:
+        if key in given and not _reads(loss, tag):
             raise PartError(f"flow method {name!r}: {key} = {given[key]!r} has no effect with loss {loss.name!r}; "
                             f"allowed only with a loss tagged {tag!r}: {', '.join(_tagged(tag))}")
 
@@ -160,7 +166,7 @@ def get_flow_method(name: str, **overrides: Any) -> FlowMethod:
     loss = resolve_part(FLOW_LOSSES, fields.pop("loss"), m.loss) if "loss" in fields else m.loss
     _refuse_unread(name, loss, fields)
     # A preset's own cfm_samples (fpo: 8) is dropped when the loss is overridden by one that reads none.
-    keep_cfm = "cfm" in FLOW_LOSSES.spec(loss.name).tags
-    base = dict(schedule=m.schedule, eta=m.eta, reduce=m.reduce, cfm_samples=m.cfm_samples if keep_cfm else 0)
+    cfm_samples = m.cfm_samples if _reads(loss, "cfm") else 0
+    base = dict(schedule=m.schedule, eta=m.eta, reduce=m.reduce, cfm_samples=cfm_samples)
     base.update(fields)
     return build_flow_method(m.name, advantage=adv, loss=loss, paper=m.paper, summary=m.summary, **base)
