@@ -184,6 +184,22 @@ def test_bad_settings_one_line(flags, field):
     assert field in str(e.value) and "\n" not in str(e.value)
 
 
+@pytest.mark.parametrize("flags, field", [(["--groups", "2000"], "groups x group_size = 16000 segments"),
+                                          (["--imitation-batch", "16000"], "imitation_batch = 16000"),
+                                          (["--eval-segments", "400000"], "eval_segments = 400000"),
+                                          (["--hidden", "256", "--groups", "500"], "at hidden 256")])
+def test_sizes_past_the_machines_memory_are_refused_in_one_line(monkeypatch, flags, field):
+    """With 2 GiB of memory: 8,000 segments of 48 frames train within it (1.9 GiB measured), twice that does not."""
+    from polyrl.families.duplex.cli import check_train_flags
+
+    monkeypatch.setattr("polyrl.families.memory_bytes", lambda: 2 * 2**30)
+    check_train_flags(["--groups", "1000"])  # the largest RL batch of these that fits
+    with pytest.raises(ConfigError) as e:
+        check_train_flags(flags)
+    assert field in str(e.value) and "GiB" in str(e.value)
+    assert "\n" not in str(e.value)
+
+
 def test_help_documents_every_field(capsys):
     from dataclasses import fields
 

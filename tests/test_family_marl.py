@@ -184,6 +184,20 @@ def test_bad_settings_one_line_errors(flags, field):
     assert "\n" not in str(e.value) and str(e.value).startswith(field)
 
 
+@pytest.mark.parametrize("flags, field", [(["--envs", "4000"], "envs x horizon = 4000 x 30"),
+                                          (["--horizon", "3000"], "envs x horizon = 48 x 3000"),
+                                          (["--eval-episodes", "20000"], "eval_episodes x horizon = 20000 x 30"),
+                                          (["--hidden", "4096"], "at hidden 4096")])
+def test_sizes_past_the_machines_memory_are_refused_in_one_line(monkeypatch, flags, field):
+    """With 2 GiB of memory: 1,000 episodes of 30 steps train within it (1.2 GiB measured), four times that does
+    not."""
+    monkeypatch.setattr("polyrl.families.memory_bytes", lambda: 2 * 2**30)
+    check_train_flags(["--envs", "1000"])
+    with pytest.raises(ConfigError) as e:
+        check_train_flags(flags)
+    assert field in str(e.value) and "GiB" in str(e.value) and "\n" not in str(e.value)
+
+
 def test_check_train_flags_accepts_presets():
     check_train_flags(["--method", "ippo", "--steps", "5", "--seed", "1", "--run-dir", "x", "--overwrite"])
     with pytest.raises(ValueError):
