@@ -123,14 +123,16 @@ def validate_config(cfg: MarlTrainConfig) -> None:
     for name in ("value_coef", "entropy_coef", "max_grad_norm"):
         if not (math.isfinite(getattr(cfg, name)) and getattr(cfg, name) >= 0):
             raise ValueError(f"{name} = {getattr(cfg, name)} is not allowed; allowed: >= 0")
-    # Bytes an environment step of N_MAX agents holds, measured at hidden 64 and 128 (peak resident memory of one
-    # step, minus the start-up's): 25.6 KB trained at hidden 64 (the update keeps a minibatch's activations), 49.6 KB
-    # at 128; 6.2 KB evaluated at hidden 64.
+    # Bytes an environment step of N_MAX agents holds per unit of width, fitted to peak resident memory (minus the
+    # start-up's) at 30,000 steps, hidden 64: 10.2, 26.8 and 55 KB a step with 16, 4 and 1 minibatches (the update
+    # keeps one minibatch's activations; one minibatch holds less than 1/minibatches says), 49.6 KB at hidden 128
+    # with 4; 6.2 KB evaluated at hidden 64.
+    trained = 72 + 1400 / max(cfg.minibatches, 2)
     check_fits({
         f"envs x horizon = {cfg.envs} x {cfg.horizon} steps at hidden {cfg.hidden}":
-            cfg.envs * cfg.horizon * 400 * cfg.hidden,
+            cfg.envs * cfg.horizon * cfg.hidden * trained,
         f"eval_episodes x horizon = {cfg.eval_episodes} x {cfg.horizon} steps at hidden {cfg.hidden}":
-            cfg.eval_episodes * cfg.horizon * 100 * cfg.hidden,
+            cfg.eval_episodes * cfg.horizon * cfg.hidden * 100,
     })
 
 
