@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import importlib.util
 import sys
@@ -12,25 +13,29 @@ from polyrl.errors import Terminated
 
 
 def import_module_or_file(name: str) -> ModuleType:
-    """Import a dotted module name, or execute a ``.py`` file as a module named after its stem.
+    """Import a dotted module name, or execute a ``.py`` file as a module of its own.
 
-    Raises ImportError with a message naming what is missing (the caller adds its own context), also for a module
-    that calls ``sys.exit`` while it loads.
+    A file's module is registered under a private name made from its stem and its resolved path
+    (``_polyrl_file_<hash>_<stem>``), never under the bare stem: a reward file named ``math.py`` or ``json.py`` would
+    otherwise replace the standard library's module for the rest of the process. Raises ImportError with a message
+    naming what is missing (the caller adds its own context), also for a module that calls ``sys.exit`` while it
+    loads.
     """
     if name.endswith(".py"):
         path = Path(name)
         if not path.is_file():
             raise ImportError(f"file {name!r} does not exist")
-        loaded = sys.modules.get(path.stem)
-        if loaded is not None and getattr(loaded, "__file__", None) == str(path.resolve()):
-            return loaded  # executed once per process: a reward file's module-level set-up runs once
-        spec = importlib.util.spec_from_file_location(path.stem, path.resolve())
+        where = path.resolve()
+        key = f"_polyrl_file_{hashlib.sha256(str(where).encode()).hexdigest()[:12]}_{path.stem}"
+        if key in sys.modules:
+            return sys.modules[key]  # executed once per process: a reward file's module-level set-up runs once
+        spec = importlib.util.spec_from_file_location(key, where)
         module = importlib.util.module_from_spec(spec)
-        sys.modules[path.stem] = module
+        sys.modules[key] = module  # before it runs, as import does (dataclasses and pickle look a module up there)
         try:
             spec.loader.exec_module(module)
         except BaseException as e:
-            del sys.modules[path.stem]  # a failed import leaves no half-built module behind
+            del sys.modules[key]  # a failed import leaves no half-built module behind
             if isinstance(e, SystemExit) and not isinstance(e, Terminated):
                 raise _exited(name, e) from None
             raise

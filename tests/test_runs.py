@@ -109,6 +109,9 @@ def short(prompts, completions, **kw):
 def strings(prompts, completions, **kw):
     return ["high"] * len(completions)
 
+def keyed(prompts, completions, **kw):
+    return {i: 0.0 for i in range(len(completions))}
+
 def constant(prompts, completions, **kw):
     return [1.0] * len(completions)
 
@@ -124,6 +127,7 @@ def counted(prompts, completions, answers, **kw):
     ("raises", "raised ZeroDivisionError: division by zero at step 0"),
     ("short", "returned 1 values for 4 completions"),
     ("strings", "returned str 'high', not a float at step 0, completion 0 of prompt index 0"),
+    ("keyed", "returned dict, not a list of floats"),  # its keys 0..3 would have been the rewards
 ])
 def test_bad_reward_functions_stop_the_run_with_one_line(tiny_model, tmp_path, capsys, fn, fragment):
     (tmp_path / "my_rewards.py").write_text(REWARDS)
@@ -135,6 +139,23 @@ def test_bad_reward_functions_stop_the_run_with_one_line(tiny_model, tmp_path, c
     if fn == "raises":  # the function's traceback goes to the run directory, not the console
         assert "traceback in" in err and "ZeroDivisionError" in (run / "errors.log").read_text()
         assert "Traceback" in (run / "errors.log").read_text()
+
+
+def test_a_reward_file_named_like_a_standard_module_does_not_replace_it(tmp_path):
+    """A file ``math.py`` executed as a reward module is registered under a private name: the standard library's
+    ``math`` stays what every later import gets, and the file runs once however often it is named."""
+    import math
+    import sys
+
+    from polyrl.tasks.rewards import load_callable
+
+    (tmp_path / "math.py").write_text("import math\nRUNS = []\nRUNS.append(1)\n"
+                                      "def r(prompts, completions, **kw):\n    return [math.floor(1.5)] * len(completions)\n")
+    fn = load_callable(f"{tmp_path / 'math.py'}:r")
+    assert fn(prompts=["p"], completions=["a", "b"]) == [1, 1]
+    assert sys.modules["math"] is math and math.ceil(1.5) == 2
+    again = load_callable(f"{tmp_path / 'math.py'}:r")
+    assert sys.modules[again.__module__].RUNS == [1]
 
 
 def test_reward_functions_are_called_once_per_batch(tiny_model, tmp_path, capsys, monkeypatch):

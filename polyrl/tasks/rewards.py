@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 import numbers
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence, Set
 from dataclasses import dataclass
 
 from polyrl.errors import RewardError, Terminated
@@ -105,6 +105,8 @@ class RewardChannels:
         except (Exception, SystemExit) as e:  # a user's function failed: one line here, its traceback in the run's log
             problem = f"called sys.exit({e.code!r})" if isinstance(e, SystemExit) else f"raised {type(e).__name__}: {e}"
             raise error(problem, trace=traceback.format_exc()) from None
+        if isinstance(out, (Mapping, Set, str, bytes)):  # iterable, but not one value per completion in order
+            raise error(f"returned {type(out).__name__}, not a list of floats")
         try:
             values = list(out)
         except TypeError:
