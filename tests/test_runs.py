@@ -150,7 +150,8 @@ def test_a_reward_file_named_like_a_standard_module_does_not_replace_it(tmp_path
     from polyrl.tasks.rewards import load_callable
 
     (tmp_path / "math.py").write_text("import math\nRUNS = []\nRUNS.append(1)\n"
-                                      "def r(prompts, completions, **kw):\n    return [math.floor(1.5)] * len(completions)\n")
+                                      "def r(prompts, completions, **kw):\n"
+                                      "    return [math.floor(1.5)] * len(completions)\n")
     fn = load_callable(f"{tmp_path / 'math.py'}:r")
     assert fn(prompts=["p"], completions=["a", "b"]) == [1, 1]
     assert sys.modules["math"] is math and math.ceil(1.5) == 2
