@@ -357,10 +357,19 @@ class OneLineParser(argparse.ArgumentParser):
 def cmd_compare(args: argparse.Namespace) -> int:
     import math
 
-    from polyrl.lab.compare import check_train_flags, method_labels, parse_method_args, refuse_run_flags, validate_runs
+    from polyrl.lab.compare import (
+        check_train_flags,
+        method_labels,
+        parse_method_args,
+        refuse_foreign_out,
+        refuse_run_flags,
+        threads_given,
+        validate_runs,
+    )
     from polyrl.runs import check_out_dir
 
     check_out_dir(args.out)
+    refuse_foreign_out(Path(args.out))
     presets = method_labels(args.methods)  # label -> preset
     methods = list(presets)
     if not methods:
@@ -400,8 +409,12 @@ def cmd_compare(args: argparse.Namespace) -> int:
         flags.raising = True
         add_train_args(flags)
         command, resumable, check = ("train",), True, check_train_flags(flags.parse_args, model)
+        args.threads_given = threads_given(flags.parse_args, [*shared, "--model", model])
     validate_runs(methods, shared, per_method, presets, check=check)
-    return _run_compare(args, methods, presets, shared, per_method, model, command, resumable)
+    from polyrl.runs import signals_unwind
+
+    with signals_unwind():  # SIGTERM unwinds as Ctrl-C does: run_all stops the runs it started
+        return _run_compare(args, methods, presets, shared, per_method, model, command, resumable)
 
 
 def _run_compare(args, methods, presets, shared, per_method, model, command, resumable) -> int:
@@ -412,7 +425,7 @@ def _run_compare(args, methods, presets, shared, per_method, model, command, res
     out = Path(args.out)
     specs = plan_runs(methods, list(range(args.seeds)), out, shared, per_method, model, workers=args.workers,
                       presets=presets, command=command, resumable=resumable,
-                      checkpointed=getattr(args, "checkpointed", None))
+                      checkpointed=getattr(args, "checkpointed", None), threads=getattr(args, "threads_given", False))
     console.print(f"{len(specs)} run(s) to do of {len(methods) * args.seeds} (others finished)"
                   + (f"; model {model}" if model else ""))
     failed = [s for s, code, _ in run_all(specs, workers=args.workers, console=console) if code != 0]

@@ -113,6 +113,87 @@ def test_compare_with_no_finished_run_says_so_in_one_line(tmp_path, capsys, monk
     one_line_error(capsys, "no run", "train.log")
 
 
+def test_compare_refuses_an_out_of_someone_elses_files(tmp_path, capsys, no_runs, tiny_model):
+    """The report's results.json and report.html would overwrite files of that name in a folder that holds no
+    compare run."""
+    out = tmp_path / "c"
+    out.mkdir()
+    (out / "results.json").write_text("precious")
+    assert main(compare(tmp_path, "--model", tiny_model)) == 2
+    one_line_error(capsys, "out = ", "results.json", "no compare run")
+    assert (out / "results.json").read_text() == "precious"
+
+
+@pytest.mark.parametrize("key, value", [("task", '"calculator"'), ("seed", "3"), ("run_dir", '"elsewhere"'),
+                                        ("model", '"/nowhere"')])
+def test_compare_refuses_a_toml_that_sets_what_compare_sets_per_run(tmp_path, capsys, no_runs, tiny_model, key,
+                                                                    value):
+    """compare's own --task (default addition), --seed, --run-dir and --model would win over the TOML's unseen."""
+    (tmp_path / "run.toml").write_text(f"{key} = {value}\nlr = 1e-4\n")
+    assert main(compare(tmp_path, "--model", tiny_model, "--config", str(tmp_path / "run.toml"))) == 2
+    one_line_error(capsys, f"{key} = ", "not allowed in compare")
+
+
+@pytest.mark.parametrize("extra, toml, threads", [
+    ([], "", "2"),  # not given: compare splits the 4 cores between 2 workers
+    (["--threads=3"], "", "3"), (["--threads", "3"], "", "3"), (["--thread", "3"], "", "3"),
+    ([], "threads = 3", "3"),
+])
+def test_compare_keeps_a_thread_count_given_in_any_form(tmp_path, monkeypatch, tiny_model, extra, toml, threads):
+    """Before, only the literal token ``--threads`` was seen: ``--threads=3`` or a TOML's threads lost to compare's
+    own count, appended after them."""
+    seen = []
+    monkeypatch.setattr("polyrl.lab.compare.run_all", lambda specs, **k: seen.extend(specs) or [])
+    monkeypatch.setattr("os.cpu_count", lambda: 4)
+    (tmp_path / "run.toml").write_text(toml + "\n")
+    main(compare(tmp_path, "--model", tiny_model, "--workers", "2", "--config", str(tmp_path / "run.toml"), *extra))
+    from polyrl.cli import build_parser
+
+    args = build_parser().parse_args(seen[0].args)
+    from polyrl.build import resolve_train
+
+    assert str(resolve_train(args).cfg.threads) == threads
+
+
+def test_a_stopped_compare_stops_the_runs_it_started(tmp_path, monkeypatch):
+    """Ctrl-C or SIGTERM (an exception in run_all): the running child gets SIGTERM, no further run starts. Before,
+    a SIGTERM left the child training on, and the rerun the message asks for wrote into its run directory too."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from rich.console import Console
+
+    from polyrl.lab import compare as lab
+
+    started, real = [], subprocess.Popen
+
+    def popen(argv, **kw):  # a run that would go on for a minute
+        started.append(real([sys.executable, "-c", "import time; time.sleep(60)"], **kw))
+        return started[-1]
+
+    monkeypatch.setattr(lab.subprocess, "Popen", popen)
+    monkeypatch.setattr(lab, "STOP_GRACE_S", 5.0)
+    specs = [lab.RunSpec("grpo", k, tmp_path / "grpo" / f"seed{k}", ["train"]) for k in range(2)]
+
+    def interrupt(*_):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    signal.setitimer(signal.ITIMER_REAL, 1.0)
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            lab.run_all(specs, workers=1, console=Console(quiet=True))
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    assert time.monotonic() - t0 < 10
+    assert len(started) == 1 and started[0].poll() == -signal.SIGTERM  # stopped, not left running
+    assert not (tmp_path / "grpo" / "seed1.train.log").exists()  # the second run never started
+
+
 # 2. the analysis settings are checked before the first run
 
 

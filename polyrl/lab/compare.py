@@ -11,9 +11,12 @@ before the first run starts, so a typo fails in one line instead of after an hou
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
+import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -108,23 +111,60 @@ def refuse_run_flags(flags: list[str], where: str) -> None:
         raise ConfigError(f"{where}: {given!r}{meant} is not allowed in compare: {RUN_FLAGS[hits[0]]}")
 
 
+def refuse_foreign_out(out: Path) -> None:
+    """An ``--out`` that holds files but no compare run (``METHOD/seedK``) is refused in one line: the report
+    (``results.json``, ``report.html``, figures) would overwrite files of the same name there."""
+    if not out.is_dir() or any(out.glob("*/seed*")):
+        return
+    entries = sorted(p.name for p in out.iterdir())
+    if entries:
+        raise ConfigError(f"out = {str(out)!r} holds {len(entries)} entr{'y' if len(entries) == 1 else 'ies'} "
+                          f"({', '.join(entries[:4])}{', ...' if len(entries) > 4 else ''}) and no compare run "
+                          "(METHOD/seedK); the report would overwrite them: choose an empty or new --out")
+
+
+def refuse_run_settings(config: str | None) -> None:
+    """Refuse a ``--config`` TOML that sets what compare sets for every run (``RUN_FLAGS``): compare's own flags
+    would win over it unseen (a TOML ``task = "calculator"`` trained addition)."""
+    if not config:
+        return
+    from polyrl.config import load_toml
+
+    values = load_toml(config)
+    for flag, why in RUN_FLAGS.items():
+        key = flag[2:].replace("-", "_")
+        if key in values:
+            raise ConfigError(f"config = {config!r}: {key} = {values[key]!r} is not allowed in compare: {why}")
+
+
+def threads_given(parse: Callable[[list[str]], argparse.Namespace], flags: list[str]) -> bool:
+    """Whether train ``flags`` set the thread count, as a flag in any form argparse takes or in their --config TOML
+    (then compare does not split the cores between runs itself)."""
+    from polyrl.config import load_toml
+
+    args = parse(flags)
+    return args.threads is not None or bool(args.config and "threads" in load_toml(args.config))
+
+
 def plan_runs(methods: list[str], seeds: list[int], out: Path, shared: list[str],
               per_method: dict[str, list[str]], model: str | None, workers: int = 1,
               presets: dict[str, str] | None = None, command: tuple[str, ...] = ("train",),
-              resumable: bool = True, checkpointed: Callable[[Path], bool] | None = None) -> list[RunSpec]:
+              resumable: bool = True, checkpointed: Callable[[Path], bool] | None = None,
+              threads: bool = False) -> list[RunSpec]:
     """One RunSpec per (method, seed); a finished run is left out, an interrupted one gets --resume.
 
     ``presets`` maps a variant label to its preset (``--methods uniform=grpo,tree=grpo``); by default a
     method's label is its preset. ``command`` is the train command (``polyrl train``, or an RL family's, e.g.
     ``flow train``); a family (``resumable=False``) takes no ``--model`` or ``--threads``, and resumes an
     interrupted run when its ``checkpointed(run_dir)`` says it saved one (q, duplex, marl), else restarts it (flow).
+    ``threads``: the flags set the thread count (``threads_given``); else each run gets the cores over ``workers``.
     """
     presets = presets or {}
     import os
 
     from polyrl.checkpoint import latest_checkpoint
 
-    if resumable and "--threads" not in shared:  # split the cores between concurrent runs, not oversubscribe them
+    if resumable and not threads:  # split the cores between concurrent runs, not oversubscribe them
         shared = [*shared, "--threads", str(max(1, (os.cpu_count() or 1) // max(1, workers)))]
     specs = []
     for method in methods:
@@ -163,6 +203,7 @@ def check_train_flags(parse: Callable[[list[str]], argparse.Namespace], model: s
 
     def check(argv: list[str]) -> None:
         args = parse([*argv, "--model", model])
+        refuse_run_settings(args.config)
         args.run_dir = str(Path("/nonexistent-polyrl-validation") / args.method)  # resolving must not touch dirs
         resolve_train(args)
 
@@ -170,21 +211,70 @@ def check_train_flags(parse: Callable[[list[str]], argparse.Namespace], model: s
 
 
 def run_all(specs: list[RunSpec], *, workers: int, console: Console) -> list[tuple[RunSpec, int, float]]:
-    """Run the specs (W at a time), each `polyrl train` in its own process; return (spec, exit code, seconds)."""
+    """Run the specs (W at a time), each `polyrl train` in its own process; return (spec, exit code, seconds).
+
+    A child runs with ``PYTHONSAFEPATH`` (the current directory is not put first on its import path, so a ``math.py``
+    there cannot replace the standard library's). When compare itself stops (Ctrl-C, SIGTERM: an exception here), no
+    further run starts and the running ones get SIGTERM, each unwinding as its own command does (its checkpoints
+    kept), then SIGKILL after ``STOP_GRACE_S``: none is left training on into a run directory a rerun would use.
+    """
+    live: set[subprocess.Popen] = set()
+    lock = threading.Lock()
+    stopping = threading.Event()
+    env = {**os.environ, "PYTHONSAFEPATH": "1"}
 
     def one(spec: RunSpec) -> tuple[RunSpec, int, float]:
+        if stopping.is_set():  # compare is stopping: a run not started stays as it was (its log included)
+            return spec, -signal.SIGTERM, 0.0
         spec.run_dir.mkdir(parents=True, exist_ok=True)
         t0 = time.perf_counter()
         with open(spec.run_dir.parent / f"{spec.run_dir.name}.train.log", "w") as log:
-            code = subprocess.call([sys.executable, "-m", "polyrl", *spec.args], stdout=log, stderr=subprocess.STDOUT)
+            with lock:
+                if stopping.is_set():
+                    return spec, -signal.SIGTERM, 0.0
+                proc = subprocess.Popen([sys.executable, "-m", "polyrl", *spec.args], stdout=log,
+                                        stderr=subprocess.STDOUT, env=env)
+                live.add(proc)
+            code = proc.wait()
+        with lock:
+            live.discard(proc)
         return spec, code, time.perf_counter() - t0
 
     results = []
-    with StepProgress(console, "compare runs", len(specs), every_s=0.0) as bar:  # a line per finished run
-        with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+    pool = ThreadPoolExecutor(max_workers=max(1, workers))
+    try:
+        with StepProgress(console, "compare runs", len(specs), every_s=0.0) as bar:  # a line per finished run
             for spec, code, secs in pool.map(one, specs):
                 results.append((spec, code, secs))
                 status = "ok" if code == 0 else f"FAILED (exit {code}, see {spec.run_dir.name}.train.log)"
                 bar.update(len(results), info=f"{spec.name} {status} {secs:.0f}s")
+    except BaseException:
+        with lock:
+            stopping.set()
+            running = list(live)
+        _stop(running)
+        raise
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
     return results
 
+
+STOP_GRACE_S = 60.0  # how long a stopped compare waits for its runs to unwind before it kills them
+
+
+def _stop(procs: list[subprocess.Popen]) -> None:
+    """Give the children a moment to end on their own (a terminal's Ctrl-C reached them too), then SIGTERM each one
+    still running, wait up to ``STOP_GRACE_S`` for all of them, and SIGKILL what is left."""
+    settle = time.monotonic() + 2.0
+    while any(proc.poll() is None for proc in procs) and time.monotonic() < settle:
+        time.sleep(0.05)
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + STOP_GRACE_S
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
