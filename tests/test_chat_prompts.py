@@ -88,6 +88,21 @@ def test_a_template_file_and_its_refusals(bpe, tmp_path):
         PromptFormat(bpe, "none", "x")
 
 
+def test_a_template_that_fails_on_a_later_prompt_is_a_config_error(bpe, tmp_path):
+    """The builder renders only the first prompt; one the template refuses later (a held-out one, or mid-run) is a
+    one-line ConfigError naming the setting and the prompt, not a ValueError that ended in a traceback."""
+    path = tmp_path / "seven.jinja"
+    path.write_text('{% for m in messages %}{% if "7" in m.content %}{{ raise_exception("no sevens") }}{% endif %}'
+                    "{{ m.content }}{% endfor %}")
+    fmt = PromptFormat(bpe, str(path))
+    assert fmt.apply(Prompt(id="a", text="1+2=", answer="3")).rendered == "1+2="
+    with pytest.raises(ConfigError, match=r"chat_template = '.*seven.jinja' cannot render prompt 'b' "
+                                          r"\(TemplateError: no sevens\)"):
+        fmt.apply(Prompt(id="b", text="97+60=", answer="157"))
+    with pytest.raises(ConfigError, match="prompt 'c' is given as chat messages"):
+        PromptFormat(bpe, "none").apply(Prompt(id="c", text="x", answer="1", messages=(("user", "x"),)))
+
+
 def test_plain_mode_is_unchanged(bpe, char_model):
     """No template (none, or auto with a character tokenizer): the task itself, ids as the tokenizer gives them."""
     from polyrl.model import load_policy

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from polyrl.errors import ConfigError
 from polyrl.tasks.base import Prompt, Split
 
 PLAIN, AUTO = "none", "auto"
@@ -87,10 +88,13 @@ class PromptFormat:
         return [{"role": role, "content": content} for role, content in turns]
 
     def apply(self, prompt: Prompt) -> Prompt:
-        """``prompt`` as the model sees it: ``rendered`` set by the template, or itself in plain mode."""
+        """``prompt`` as the model sees it: ``rendered`` set by the template, or itself in plain mode. A prompt the
+        format cannot put (messages without a template, a template that fails on it) is a ``ConfigError`` naming the
+        setting and the prompt: the builder renders only the first, and a later one, held-out prompts included, must
+        be one line too, not a traceback."""
         if self.template is None:
             if prompt.messages is not None:
-                raise ValueError(f"prompt {prompt.id!r} is given as chat messages, which need a chat template, "
+                raise ConfigError(f"prompt {prompt.id!r} is given as chat messages, which need a chat template, "
                                  f"but chat_template = {self.setting!r} leaves prompts plain text: use "
                                  "--chat-template auto with a tokenizer that has one, or --chat-template PATH")
             return prompt
@@ -102,7 +106,7 @@ class PromptFormat:
                                                           add_generation_prompt=True, tokenize=False)
             except Exception as e:  # Jinja errors, a template's raise_exception (e.g. no system role)
                 reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
-                raise ValueError(f"chat_template = {self.setting!r} cannot render prompt {prompt.id!r} "
+                raise ConfigError(f"chat_template = {self.setting!r} cannot render prompt {prompt.id!r} "
                                  f"({type(e).__name__}: {reason})") from None
             done = self._rendered[prompt] = dataclasses.replace(prompt, rendered=text)
         return done
