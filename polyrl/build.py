@@ -99,8 +99,11 @@ class TrainPlan:
     replaced: Path | None = None  # where it was set aside (runs.set_aside_run)
 
 
-def resolve_train(args: argparse.Namespace) -> TrainPlan:
-    """Config (TOML beneath flags; on resume the run's own), method with overrides, task, run directory: validated."""
+def resolve_train(args: argparse.Namespace, *, claim: Callable[[str, TrainConfig], None] | None = None) -> TrainPlan:
+    """Config (TOML beneath flags; on resume the run's own), method with overrides, task, run directory: validated.
+
+    ``claim(run_dir, given)`` is called once the run directory is known, before anything reads or changes it (the
+    command's hold on it: ``runs.run_lock``)."""
     from polyrl.config import build_config, load_toml, validate
     from polyrl.tasks import get_task
     from polyrl.tasks.rewards import RewardChannels, parse_reward_specs
@@ -121,6 +124,8 @@ def resolve_train(args: argparse.Namespace) -> TrainPlan:
     changes: dict[str, list] = {}
     notes: list[str] = []
     check_out_dir(run_dir, "run_dir")  # a file, a name too long, or '' (it meant the default run: TOML run_dir = "")
+    if claim is not None:
+        claim(run_dir, given)
     _recover_replaced(run_dir, notes)  # before anything reads the run directory (its config.json for --resume)
     if given.resume and not given.overwrite:
         values, overrides, changes = _resume_settings(run_dir, values, overrides, notes)

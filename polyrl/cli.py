@@ -9,6 +9,7 @@ torch and transformers are imported only by the commands that need them: `method
 from __future__ import annotations
 
 import argparse
+import contextlib
 import difflib
 import json
 import os
@@ -203,22 +204,28 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 def cmd_train(args: argparse.Namespace) -> int:
     from polyrl.launch import relaunches, world
-    from polyrl.runs import set_aside_run, signals_unwind
+    from polyrl.runs import run_lock, set_aside_run, signals_unwind
 
     global console
     if world()[0] != 0:  # one rank of several speaks and writes the run directory: rank 0
         console = Console(quiet=True)
-    plan = resolve_train(args)
-    # --overwrite moves the old run aside; the trainer deletes it once its parts are built, and a command that ends
-    # before that (a refusal while the model loads, Ctrl-C, SIGTERM) puts it back. With --nproc the rank-0 process
-    # that this one launches does it.
-    with signals_unwind():
-        try:
-            if plan.replace and not relaunches(plan.cfg.scale.nproc):
-                plan.replaced = set_aside_run(plan.run_dir)
-            return _train_plan(args, plan)
-        finally:
-            _settle_replaced(args, plan)
+    with contextlib.ExitStack() as held:
+
+        def claim(run_dir: str, given) -> None:  # rank 0 holds the run directory; with --nproc, the one it launches
+            if world()[0] == 0 and not relaunches(given.scale.nproc):
+                held.enter_context(run_lock(run_dir))
+
+        plan = resolve_train(args, claim=claim)
+        # --overwrite moves the old run aside; the trainer deletes it once its parts are built, and a command that
+        # ends before that (a refusal while the model loads, Ctrl-C, SIGTERM) puts it back. With --nproc the rank-0
+        # process that this one launches does it.
+        with signals_unwind():
+            try:
+                if plan.replace and not relaunches(plan.cfg.scale.nproc):
+                    plan.replaced = set_aside_run(plan.run_dir)
+                return _train_plan(args, plan)
+            finally:
+                _settle_replaced(args, plan)
 
 
 def _drop_replaced(plan: TrainPlan) -> None:

@@ -128,13 +128,46 @@ def clear_run_dir(run_dir: str | Path, *, inputs: dict[str, Any] | None = None) 
 def aside_path(run_dir: str | Path) -> Path:
     """Where ``--overwrite`` keeps the old run until the new one has started: ``.NAME.replaced`` beside it (a long
     name is cut and tagged with its hash, so the hidden name stays within the file system's limit)."""
+    return _beside(run_dir, "replaced")
+
+
+def _beside(run_dir: str | Path, what: str) -> Path:
+    """``.NAME.WHAT`` beside the run directory NAME (a long name cut and tagged with its hash)."""
     run = Path(run_dir)
     name = run.resolve().name if run.name in ("", ".", "..") else run.name
     if len(name.encode()) > 200:
         import hashlib
 
         name = f"{name.encode()[:160].decode(errors='ignore')}-{hashlib.sha256(name.encode()).hexdigest()[:12]}"
-    return run.parent / f".{name}.replaced"
+    return run.parent / f".{name}.{what}"
+
+
+@contextlib.contextmanager
+def run_lock(run_dir: str | Path) -> Iterator[None]:
+    """Hold the run directory for one command: another polyrl command on it meanwhile is refused in one line (two
+    writers interleaved one run's metrics and checkpoints, and one's --overwrite or --resume moved files under the
+    other). The hold is an ``flock`` on ``.NAME.lock`` beside the directory, which --overwrite's renames leave in
+    place; the kernel lets go of it when the process ends, however it ends, so a killed command leaves no stale
+    hold. Where the lock file cannot be made (a read-only folder), nothing is held."""
+    import fcntl
+    import os
+
+    lock = _beside(run_dir, "lock")
+    try:
+        lock.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError:
+        yield
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise ConfigError(f"run_dir = '{run_dir}' is in use by another polyrl command (it holds {str(lock)!r}); "
+                              "let it finish or stop it, or choose another run directory") from None
+        yield
+    finally:
+        os.close(fd)
 
 
 def _deleting(aside: Path) -> Path:
@@ -348,9 +381,9 @@ def new_run(run_dir: str | Path, *, overwrite: bool, inputs: dict[str, Any] | No
     Ctrl-C, SIGTERM -- a new run that started (it wrote more than its ``config.json``) stays and the old one is
     deleted; one that did not is removed (its ``config.json``, the directory if the block made it) and the old run
     is put back, so the same command can simply be run again. ``record``: the run's ``config.json``
-    (``write_record``), written before the block runs."""
+    (``write_record``), written before the block runs. The command holds the directory throughout (``run_lock``)."""
     run = Path(run_dir)
-    with signals_unwind():
+    with signals_unwind(), run_lock(run):
         recover_noted(run)
         if run.exists() and not run.is_dir():
             raise ConfigError(f"run_dir = '{run}' is a file, not a directory; choose another --run-dir")

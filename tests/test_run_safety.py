@@ -73,7 +73,43 @@ def run(trained, tmp_path):
     return copy
 
 
+# ---- 0. one command at a time on a run directory ----------------------------------------------------------
+
+def test_a_second_command_on_a_run_directory_in_use_is_refused(run, tiny_model, capsys):
+    """While one command holds a run directory (``runs.run_lock``), another --resume or --overwrite on it is refused
+    in one line and changes nothing: two writers interleaved one run's metrics and checkpoints. The hold ends with
+    the command."""
+    from polyrl.runs import run_lock
+
+    before = sorted(str(p.relative_to(run)) for p in run.rglob("*"))
+    with run_lock(run):  # as a running command holds it
+        for flag in ("--resume", "--overwrite"):
+            code, err = _cli([*_small(tiny_model, run), "--steps", "3", flag], capsys)
+            _one_line(code, err, f"run_dir = '{run}' is in use by another polyrl command")
+    assert sorted(str(p.relative_to(run)) for p in run.rglob("*")) == before
+    assert _cli([*_small(tiny_model, run), "--steps", "3", "--resume"], capsys)[0] == 0  # free again
+    with run_lock(run):  # the finished command let go of it
+        pass
+
+
+def test_a_family_run_in_use_is_not_set_aside_by_another_overwrite(tmp_path):
+    """``new_run`` (flow, q, duplex, marl) holds its directory too: a second command's --overwrite would have moved a
+    running run aside and deleted it."""
+    from polyrl.runs import new_run, run_lock
+
+    run = tmp_path / "run"
+    with new_run(run, overwrite=False, record={"config": {}}):
+        (run / "metrics.jsonl").write_text("{}\n")
+        with pytest.raises(ConfigError, match="is in use by another polyrl command"):
+            with new_run(run, overwrite=True):
+                pass
+        assert (run / "metrics.jsonl").is_file()
+    with run_lock(run):
+        pass
+
+
 # ---- 1. --overwrite deletes only a polyrl run ----------------------------------------------------------------
+
 def test_overwrite_refuses_a_directory_that_is_not_a_run(tiny_model, tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     precious = tmp_path / "precious"
