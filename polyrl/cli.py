@@ -417,7 +417,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
         add_train_args(flags)
         command, resumable, check = ("train",), True, check_train_flags(flags.parse_args, model)
         args.threads_given = threads_given(flags.parse_args, [*shared, "--model", model])
-    validate_runs(methods, shared, per_method, presets, check=check)
+    args.expected = validate_runs(methods, shared, per_method, presets, check=check)
     from polyrl.runs import signals_unwind
 
     with signals_unwind():  # SIGTERM unwinds as Ctrl-C does: run_all stops the runs it started
@@ -425,22 +425,29 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 
 def _run_compare(args, methods, presets, shared, per_method, model, command, resumable) -> int:
-    from polyrl.lab import CollapseRule, analyse, print_ranking, write_report
-    from polyrl.lab.analysis import load_runs
+    from polyrl.lab import CollapseRule, print_ranking, write_report
+    from polyrl.lab.analysis import analyse_runs, load_runs
     from polyrl.lab.compare import plan_runs, run_all
 
     out = Path(args.out)
     specs = plan_runs(methods, list(range(args.seeds)), out, shared, per_method, model, workers=args.workers,
                       presets=presets, command=command, resumable=resumable,
-                      checkpointed=getattr(args, "checkpointed", None), threads=getattr(args, "threads_given", False))
+                      checkpointed=getattr(args, "checkpointed", None), threads=getattr(args, "threads_given", False),
+                      expected=getattr(args, "expected", None))
     console.print(f"{len(specs)} run(s) to do of {len(methods) * args.seeds} (others finished)"
                   + (f"; model {model}" if model else ""))
     failed = [s for s, code, _ in run_all(specs, workers=args.workers, console=console) if code != 0]
-    if not load_runs(out):  # every run failed before it logged a step: nothing to analyse
+    found = load_runs(out)
+    runs = {m: kept for m in methods if (kept := [r for r in found.get(m, []) if r.seed < args.seeds])}
+    if not runs:  # every run failed before it logged a step: nothing to analyse
         raise TrainingError(f"no run under {out} logged a step (every run failed): see its METHOD/seedK.train.log "
                             "files")
-    results = analyse(out, threshold=args.threshold, collapse_rule=CollapseRule(drop_fraction=args.collapse_drop),
-                      ci=args.ci)
+    other = sum(len(rs) for rs in found.values()) - sum(len(rs) for rs in runs.values())
+    if other:  # the report is this command's methods x seeds, not every run an earlier command left there
+        console.print(f"{other} other run(s) under {out} (other methods or seeds) are not in this report")
+    results = analyse_runs(runs, threshold=args.threshold,
+                           collapse_rule=CollapseRule(drop_fraction=args.collapse_drop), ci=args.ci)
+    results["out_dir"] = str(out)
     paths = write_report(results, out)
     print_ranking(results, console)
     console.print(f"report: {out / 'report.html'}  results: {out / 'results.json'}  ({len(paths)} files)")

@@ -481,7 +481,7 @@ def resume_values(saved: dict[str, Any], given: dict[str, Any], *, what: str = "
         if name in RUN_CONTROL or new is None:
             continue
         old = saved.get(name)
-        if _same(old, new):
+        if same_value(old, new):
             continue
         if name not in RESUME_MAY_CHANGE:
             raise ConfigError(f"{name} = {new!r} differs from the run's own {name} = {old!r}{what}; a resume keeps "
@@ -491,7 +491,8 @@ def resume_values(saved: dict[str, Any], given: dict[str, Any], *, what: str = "
     return values, changes
 
 
-def _same(a: Any, b: Any) -> bool:
+def same_value(a: Any, b: Any) -> bool:
+    """Whether two settings' values are equal (an int and a float of one value are)."""
     if isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool):
         return float(a) == float(b)
     return a == b

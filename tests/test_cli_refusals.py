@@ -155,6 +155,29 @@ def test_compare_keeps_a_thread_count_given_in_any_form(tmp_path, monkeypatch, t
     assert str(resolve_train(args).cfg.threads) == threads
 
 
+def test_a_rerun_keeps_only_the_finished_runs_it_asks_for(tmp_path, capsys, tiny_model):
+    """A finished run made with other settings is refused (it was reported as the new command's), one asked to run
+    longer is resumed, and the report holds this command's methods only."""
+    import json
+
+    small = ["--model", tiny_model, "--prompts-per-step", "2", "--group-size", "2", "--eval-prompts", "2",
+             "--max-new-tokens", "4", "--threads", "1", "--no-tensorboard"]
+    out = tmp_path / "c"
+    assert main(compare(tmp_path, *small)) == 0
+    capsys.readouterr()
+    assert main(compare(tmp_path, *small, "--lr", "1e-3")) == 2
+    one_line_error(capsys, f"{out / 'grpo' / 'seed0'} finished with lr = ", "this compare gives lr = 0.001")
+    assert main(compare(tmp_path, *small, "--steps", "1")) == 2  # fewer steps than it ran
+    one_line_error(capsys, "finished with steps = 2")
+    assert main(compare(tmp_path, *small, "--steps", "3")) == 0  # more: resumed, not kept as it was
+    assert json.loads((out / "grpo" / "seed0" / "summary.json").read_text())["steps"] == 3
+    argv = compare(tmp_path, *small, "--steps", "1")
+    argv[argv.index("--methods") + 1] = "dapo"
+    assert main(argv) == 0
+    assert "1 other run(s)" in capsys.readouterr().out
+    assert list(json.loads((out / "results.json").read_text())["methods"]) == ["dapo"]
+
+
 def test_a_stopped_compare_stops_the_runs_it_started(tmp_path, monkeypatch):
     """Ctrl-C or SIGTERM (an exception in run_all): the running child gets SIGTERM, no further run starts. Before,
     a SIGTERM left the child training on, and the rerun the message asks for wrote into its run directory too."""

@@ -11,6 +11,7 @@ before the first run starts, so a typo fails in one line instead of after an hou
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shlex
 import signal
@@ -150,7 +151,7 @@ def plan_runs(methods: list[str], seeds: list[int], out: Path, shared: list[str]
               per_method: dict[str, list[str]], model: str | None, workers: int = 1,
               presets: dict[str, str] | None = None, command: tuple[str, ...] = ("train",),
               resumable: bool = True, checkpointed: Callable[[Path], bool] | None = None,
-              threads: bool = False) -> list[RunSpec]:
+              threads: bool = False, expected: dict[str, dict] | None = None) -> list[RunSpec]:
     """One RunSpec per (method, seed); a finished run is left out, an interrupted one gets --resume.
 
     ``presets`` maps a variant label to its preset (``--methods uniform=grpo,tree=grpo``); by default a
@@ -158,6 +159,8 @@ def plan_runs(methods: list[str], seeds: list[int], out: Path, shared: list[str]
     ``flow train``); a family (``resumable=False``) takes no ``--model`` or ``--threads``, and resumes an
     interrupted run when its ``checkpointed(run_dir)`` says it saved one (q, duplex, marl), else restarts it (flow).
     ``threads``: the flags set the thread count (``threads_given``); else each run gets the cores over ``workers``.
+    ``expected``: {method: the record its runs would write} (``validate_runs``); a finished run is checked against it
+    (``finished_run``: kept, resumed for more steps, or refused).
     """
     presets = presets or {}
     import os
@@ -170,10 +173,11 @@ def plan_runs(methods: list[str], seeds: list[int], out: Path, shared: list[str]
     for method in methods:
         for seed in seeds:
             run_dir = out / method / f"seed{seed}"
-            if (run_dir / "summary.json").exists():
+            done = (run_dir / "summary.json").exists()
+            if done and finished_run(run_dir, (expected or {}).get(method)):
                 continue
-            saved = checkpointed(run_dir) if checkpointed is not None else \
-                resumable and latest_checkpoint(run_dir) is not None
+            saved = done or (checkpointed(run_dir) if checkpointed is not None else
+                             resumable and latest_checkpoint(run_dir) is not None)
             resume = ["--resume"] if saved else ["--overwrite"]
             args = [*command, "--method", presets.get(method, method), "--seed", str(seed), "--run-dir", str(run_dir),
                     *(["--model", model] if model is not None else []),
@@ -183,29 +187,66 @@ def plan_runs(methods: list[str], seeds: list[int], out: Path, shared: list[str]
 
 
 def validate_runs(methods: list[str], shared: list[str], per_method: dict[str, list[str]],
-                  presets: dict[str, str] | None, *, check: Callable[[list[str]], None]) -> None:
+                  presets: dict[str, str] | None, *, check: Callable[[list[str]], dict | None]) -> dict[str, dict]:
     """Resolve every method's full train configuration now (raises ConfigError / PartError in one line).
 
-    ``check(flags)`` resolves one run's train flags (without --seed and --run-dir), raising ConfigError on a bad one.
+    ``check(flags)`` resolves one run's train flags (without --seed and --run-dir), raising ConfigError on a bad one;
+    what it returns (a run's record, or None) is returned per method: {method: record}.
     """
     presets = presets or {}
+    records = {}
     for method in methods:
         argv = ["--method", presets.get(method, method), *shared, *per_method.get(method, [])]
         try:
-            check(argv)
+            record = check(argv)
         except ConfigError as e:
             raise ConfigError(f"the flags for method {method!r}: {e}") from None
+        if record is not None:
+            records[method] = record
+    return records
 
 
-def check_train_flags(parse: Callable[[list[str]], argparse.Namespace], model: str) -> Callable[[list[str]], None]:
-    """``check`` for `polyrl train` runs from ``model``: parse the flags and resolve them with the builder."""
+def finished_run(run_dir: Path, expected: dict | None) -> bool:
+    """Whether the finished run in ``run_dir`` is the one this command asks for: True to keep it, False to resume it
+    for more steps. ``expected``: the run's record as this command would write it (None: not known, kept). A run made
+    with other settings (or fewer steps asked than it ran) is refused in one line: keeping it would report it as
+    this command's. Run control, the seed and settings a resume may change (threads, eval_every...) do not count."""
+    from polyrl.runs import RESUME_MAY_CHANGE, RUN_CONTROL, effective_config, same_value, saved_record
+
+    if expected is None:
+        return True
+    saved = effective_config(run_dir) or {}
+    differ = {k: [saved[k], v] for k, v in expected["config"].items()
+              if k in saved and k not in (*RUN_CONTROL, "seed") and not same_value(saved[k], v)}
+    overrides = (saved_record(run_dir) or {}).get("overrides", {})
+    if overrides != expected["overrides"]:
+        differ["part overrides"] = [overrides, expected["overrides"]]
+    steps = differ.pop("steps", None)
+    differ = {k: v for k, v in differ.items() if k not in RESUME_MAY_CHANGE}
+    if steps is not None and steps[1] < steps[0]:
+        differ["steps"] = steps
+    if differ:
+        k, (old, new) = next(iter(differ.items()))
+        raise ConfigError(f"{run_dir} finished with {k} = {old!r}, and this compare gives {k} = {new!r}"
+                          f"{f' (and {len(differ) - 1} more)' if len(differ) > 1 else ''}: its results would be "
+                          "reported as this command's; use another --out, or delete that run to run it again")
+    return steps is None
+
+
+def check_train_flags(parse: Callable[[list[str]], argparse.Namespace], model: str) -> Callable[[list[str]], dict]:
+    """``check`` for `polyrl train` runs from ``model``: parse the flags and resolve them with the builder; it returns
+    the run's record as a run would write it (``{"config", "overrides"}``), for ``finished_run``."""
     from polyrl.build import resolve_train
 
-    def check(argv: list[str]) -> None:
+    def check(argv: list[str]) -> dict:
+        from polyrl.config import to_dict
+
         args = parse([*argv, "--model", model])
         refuse_run_settings(args.config)
         args.run_dir = str(Path("/nonexistent-polyrl-validation") / args.method)  # resolving must not touch dirs
-        resolve_train(args)
+        plan = resolve_train(args)
+        record = {"config": to_dict(plan.cfg), "overrides": plan.overrides}
+        return json.loads(json.dumps(record, default=str))  # as config.json reads back (tuples as lists)
 
     return check
 
