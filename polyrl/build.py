@@ -105,12 +105,14 @@ def resolve_train(args: argparse.Namespace, *, claim: Callable[[str, TrainConfig
     ``claim(run_dir, given)`` is called once the run directory is known, before anything reads or changes it (the
     command's hold on it: ``runs.run_lock``)."""
     from polyrl.config import build_config, load_toml, validate
+    from polyrl.runs import absolute_paths
     from polyrl.tasks import get_task
     from polyrl.tasks.rewards import RewardChannels, parse_reward_specs
 
     values = load_toml(args.config) if args.config else {}
     names = {s.name for s in settings(TrainConfig)}
     values.update({k: v for k, v in vars(args).items() if k in names and v is not None})
+    values = absolute_paths(values)  # recorded so, a run resumes from any directory
     if values.get("resume_from") is not None:
         if getattr(args, "resume", None) is False:  # --no-resume beside a checkpoint to resume from (a TOML's
             # resume = false gives way to the flag, as every TOML value does)

@@ -147,26 +147,38 @@ def run_lock(run_dir: str | Path) -> Iterator[None]:
     """Hold the run directory for one command: another polyrl command on it meanwhile is refused in one line (two
     writers interleaved one run's metrics and checkpoints, and one's --overwrite or --resume moved files under the
     other). The hold is an ``flock`` on ``.NAME.lock`` beside the directory, which --overwrite's renames leave in
-    place; the kernel lets go of it when the process ends, however it ends, so a killed command leaves no stale
-    hold. Where the lock file cannot be made (a read-only folder), nothing is held."""
+    place; the kernel lets go of it when the process ends, however it ends (a killed command leaves at most an
+    unlocked file, which the next command takes over), and the file is removed when the command ends. A lock taken on
+    a file that was removed meanwhile is taken again on the new one. Where the lock file cannot be made (a read-only
+    folder), nothing is held."""
     import fcntl
     import os
 
     lock = _beside(run_dir, "lock")
-    try:
-        lock.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
-    except OSError:
-        yield
-        return
-    try:
+    while True:
+        try:
+            lock.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError:
+            yield
+            return
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
+            os.close(fd)
             raise ConfigError(f"run_dir = '{run_dir}' is in use by another polyrl command (it holds {str(lock)!r}); "
                               "let it finish or stop it, or choose another run directory") from None
+        try:
+            if os.stat(lock).st_ino == os.fstat(fd).st_ino:
+                break  # the file still at that name: held
+        except FileNotFoundError:
+            pass
+        os.close(fd)  # its holder removed it as it ended: take the new one
+    try:
         yield
     finally:
+        with contextlib.suppress(OSError):
+            lock.unlink()
         os.close(fd)
 
 
@@ -481,14 +493,43 @@ def resume_values(saved: dict[str, Any], given: dict[str, Any], *, what: str = "
         if name in RUN_CONTROL or new is None:
             continue
         old = saved.get(name)
-        if same_value(old, new):
-            continue
+        if same_value(old, new) or (name in PATH_SETTINGS and same_value(absolute_paths({name: old})[name], new)):
+            continue  # (a run recorded with relative paths, resumed from the directory it started in)
         if name not in RESUME_MAY_CHANGE:
             raise ConfigError(f"{name} = {new!r} differs from the run's own {name} = {old!r}{what}; a resume keeps "
                               f"the run's settings (may change: {', '.join(RESUME_MAY_CHANGE)}); drop the flag, or "
                               "start a new run with another --run-dir")
         values[name], changes[name] = new, [old, new]
     return values, changes
+
+
+# Settings that name files or directories: recorded absolute (``absolute_paths``), so that a run started with
+# ``--data-file ok.jsonl`` resumes from any directory, and compared as paths.
+PATH_SETTINGS = ("model", "data_file", "teacher", "agency", "chat_template", "preference_file", "reward_funcs")
+
+
+def absolute_paths(values: dict[str, Any]) -> dict[str, Any]:
+    """``values`` with each path setting that names an existing file or directory made absolute (``reward_funcs``
+    piece by piece, ``FILE.py:function`` keeping its function); a name that is none (a module, ``auto``) stays."""
+    out = dict(values)
+    for name in PATH_SETTINGS:
+        value = out.get(name)
+        if isinstance(value, str) and value.strip():
+            pieces = value.split(",") if name == "reward_funcs" else [value]
+            out[name] = ",".join(_absolute(piece) for piece in pieces)
+    return out
+
+
+def _absolute(text: str) -> str:
+    """An existing path (or the ``FILE`` of ``FILE:function``) made absolute; anything else, and the words that
+    name no path (``auto``, ``none``, ``task``, even beside a file of that name), as it was."""
+    if text.strip() in ("auto", "none", "task"):
+        return text
+    head, colon, function = text.rpartition(":")
+    for path, rest in ((text, ""), (head, colon + function)):
+        if path and Path(path).expanduser().exists():
+            return str(Path(path).expanduser().resolve()) + rest
+    return text
 
 
 def same_value(a: Any, b: Any) -> bool:

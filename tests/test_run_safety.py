@@ -108,6 +108,22 @@ def test_a_family_run_in_use_is_not_set_aside_by_another_overwrite(tmp_path):
         pass
 
 
+def test_a_run_started_with_relative_paths_resumes_from_another_directory(tiny_model, tmp_path, capsys, monkeypatch):
+    """Path settings are recorded absolute: a run started in d/ with ``--reward-funcs rew.py:r`` resumes from d's
+    parent, given the file again by another relative name or not at all. Before, the record's 'rew.py' was looked
+    for in the new directory, and 'd/rew.py' was refused as differing from it."""
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "rew.py").write_text("def r(prompts, completions, **kw):\n    return [1.0] * len(completions)\n")
+    monkeypatch.chdir(tmp_path / "d")
+    assert main([*_small(tiny_model, "r"), "--steps", "1", "--reward-funcs", "rew.py:r"]) == 0
+    record = json.loads((tmp_path / "d" / "r" / "config.json").read_text())["config"]
+    assert record["reward_funcs"] == f"{tmp_path / 'd' / 'rew.py'}:r"
+    monkeypatch.chdir(tmp_path)
+    assert main([*_small(tiny_model, "d/r"), "--steps", "2", "--resume"]) == 0
+    assert main([*_small(tiny_model, "d/r"), "--steps", "3", "--resume", "--reward-funcs", "d/rew.py:r"]) == 0
+    capsys.readouterr()
+
+
 # ---- 1. --overwrite deletes only a polyrl run ----------------------------------------------------------------
 
 def test_overwrite_refuses_a_directory_that_is_not_a_run(tiny_model, tmp_path, capsys, monkeypatch):
