@@ -17,6 +17,7 @@ from typing import Any
 
 from polyrl.config import ConfigError, TrainConfig, add_config_args, flat, settings
 from polyrl.runs import check_out_dir, check_resume_steps
+from polyrl.tasks.base import held_out_prompts
 
 
 def add_method_args(p: argparse.ArgumentParser) -> None:
@@ -155,6 +156,13 @@ def resolve_train(args: argparse.Namespace, *, claim: Callable[[str, TrainConfig
     except (ValueError, FileNotFoundError, KeyError) as e:
         raise ConfigError(f"task = {cfg.task!r}: {e}") from None
     check_combinations(cfg, method, task)
+    try:
+        held_out = len(held_out_prompts(task, cfg.eval.prompts))
+    except (ValueError, KeyError) as e:  # a data file's split that cannot be drawn
+        raise ConfigError(f"task = {cfg.task!r}: {e}") from None
+    if held_out < cfg.eval.prompts:
+        notes.append(f"eval_prompts = {cfg.eval.prompts}: the task's held-out split gives {held_out} distinct prompts; "
+                     "each is evaluated once")
     if cfg.model is not None:
         from polyrl.model import TOKENIZER_FILES
 
@@ -437,7 +445,7 @@ def build_components(cfg: TrainConfig, method, task, model_dir: str) -> Componen
         arbiter = generator.arbiter = AgencyArbiter(baseline, parse_schedule(cfg.agency.schedule),
                                                     mode=cfg.agency.mode)
     runner = EpisodeRunner(generator, tokenizer, task, own_weights=ranks is not None or cfg.engine.backend == "vllm")
-    evaluate = Evaluator(runner, task, task.prompts("test", cfg.eval.prompts, seed=0), cfg.max_new_tokens, arbiter)
+    evaluate = Evaluator(runner, task, held_out_prompts(task, cfg.eval.prompts), cfg.max_new_tokens, arbiter)
 
     def sampling(step: int) -> SamplingParams:
         sample = cfg.sampling

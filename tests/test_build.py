@@ -225,3 +225,20 @@ def test_reward_weights_must_be_finite(weights):
 
     with pytest.raises(ValueError, match=rf"reward_weights = '{weights}' must be finite numbers"):
         parse_reward_specs("task,task", weights)
+
+
+def test_a_small_held_out_split_is_evaluated_once_per_prompt(tiny_model, tmp_path):
+    """--eval-prompts above a data file's held-out split: the task cycles through the split, and greedy decoding
+    scored each repeat alike, weighing some prompts more (200 of 7 prompts: 29 or 28 times each). The evaluation takes
+    each once, and the run says so."""
+    from polyrl.tasks.base import held_out_prompts
+
+    data = tmp_path / "q.jsonl"
+    data.write_text("".join(json.dumps({"question": f"{i}+{i}=", "answer": str(2 * i)}) + "\n" for i in range(60)))
+    parser = argparse.ArgumentParser()
+    add_train_args(parser)
+    plan = resolve_train(parser.parse_args(["--task", "math", "--data-file", str(data), "--model", tiny_model,
+                                            "--eval-prompts", "200", "--run-dir", str(tmp_path / "never")]))
+    prompts = held_out_prompts(plan.task, 200)
+    assert 0 < len(prompts) < 60 and len(set(prompts)) == len(prompts) == len(set(plan.task.prompts("test", 600, 0)))
+    assert any(f"eval_prompts = 200: the task's held-out split gives {len(prompts)} distinct" in n for n in plan.notes)

@@ -47,3 +47,10 @@ class Task(Protocol):
     def reward(self, prompt: Prompt, completion_text: str) -> tuple[float, dict[str, Any]]:
         """Score one completion (the text generated after the prompt) of ``prompt``."""
         ...
+
+
+def held_out_prompts(task: Task, n: int) -> list[Prompt]:
+    """The evaluation's prompts: ``n`` of the task's held-out split, each once. A task cycles through a split smaller
+    than ``n``; greedy decoding gives a repeated prompt the same answer, so a repeat would only weigh some prompts
+    more than others in the accuracy."""
+    return list(dict.fromkeys(task.prompts("test", n, seed=0)))
