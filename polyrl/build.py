@@ -100,10 +100,10 @@ class TrainPlan:
     replaced: Path | None = None  # where it was set aside (runs.set_aside_run)
 
 
-def resolve_train(args: argparse.Namespace, *, claim: Callable[[str, TrainConfig], None] | None = None) -> TrainPlan:
+def resolve_train(args: argparse.Namespace, *, claim: Callable[[str], None] | None = None) -> TrainPlan:
     """Config (TOML beneath flags; on resume the run's own), method with overrides, task, run directory: validated.
 
-    ``claim(run_dir, given)`` is called once the run directory is known, before anything reads or changes it (the
+    ``claim(run_dir)`` is called once the run directory is known, before anything reads or changes it (the
     command's hold on it: ``runs.run_lock``)."""
     from polyrl.config import build_config, load_toml, validate
     from polyrl.runs import absolute_paths
@@ -128,7 +128,7 @@ def resolve_train(args: argparse.Namespace, *, claim: Callable[[str, TrainConfig
     notes: list[str] = []
     check_out_dir(run_dir, "run_dir")  # a file, a name too long, or '' (it meant the default run: TOML run_dir = "")
     if claim is not None:
-        claim(run_dir, given)
+        claim(run_dir)
     _recover_replaced(run_dir, notes)  # before anything reads the run directory (its config.json for --resume)
     if given.resume and not given.overwrite:
         values, overrides, changes = _resume_settings(run_dir, values, overrides, notes)

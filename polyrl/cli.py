@@ -211,8 +211,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         console = Console(quiet=True)
     with contextlib.ExitStack() as held:
 
-        def claim(run_dir: str, given) -> None:  # rank 0 holds the run directory; with --nproc, the one it launches
-            if world()[0] == 0 and not relaunches(given.scale.nproc):
+        def claim(run_dir: str) -> None:  # rank 0 holds the run directory (a --nproc launcher while it reads
+            if world()[0] == 0:  # the run, then hands the hold to the rank 0 it launches: _train_plan)
                 held.enter_context(run_lock(run_dir))
 
         plan = resolve_train(args, claim=claim)
@@ -223,7 +223,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             try:
                 if plan.replace and not relaunches(plan.cfg.scale.nproc):
                     plan.replaced = set_aside_run(plan.run_dir)
-                return _train_plan(args, plan)
+                return _train_plan(args, plan, release=held.close)
             finally:
                 _settle_replaced(args, plan)
 
@@ -252,7 +252,7 @@ def _settle_replaced(args: argparse.Namespace, plan: TrainPlan) -> None:
               "move it back or delete it by hand", file=sys.stderr)
 
 
-def _train_plan(args: argparse.Namespace, plan: TrainPlan) -> int:
+def _train_plan(args: argparse.Namespace, plan: TrainPlan, release=lambda: None) -> int:
     from polyrl.catalog import method_dict
     from polyrl.config import to_dict
     from polyrl.launch import relaunch, relaunches, world
@@ -273,6 +273,7 @@ def _train_plan(args: argparse.Namespace, plan: TrainPlan) -> int:
                       f"accuracy {ws.accuracy:.3f})")
     if relaunches(cfg.scale.nproc):  # the same command as N ranks (torch.distributed.run)
         console.print(f"starting {cfg.scale.nproc} training processes (FSDP2)")
+        release()  # the launched rank 0 holds the run directory from here
         return relaunch(cfg.scale.nproc, [*args.argv, "--model", cfg.model])
     if world()[0] != 0:
         done = train(cfg, method, model_dir=cfg.model, task=task, run_dir=run_dir, console=console)
@@ -418,9 +419,11 @@ def cmd_compare(args: argparse.Namespace) -> int:
         command, resumable, check = ("train",), True, check_train_flags(flags.parse_args, model)
         args.threads_given = threads_given(flags.parse_args, [*shared, "--model", model])
     args.expected = validate_runs(methods, shared, per_method, presets, check=check)
-    from polyrl.runs import signals_unwind
+    from polyrl.runs import run_lock, signals_unwind
 
-    with signals_unwind():  # SIGTERM unwinds as Ctrl-C does: run_all stops the runs it started
+    # SIGTERM unwinds as Ctrl-C does (run_all stops the runs it started); one compare at a time on an --out (a second
+    # one truncated the running runs' logs and reported them half done)
+    with signals_unwind(), run_lock(args.out, "out"):
         return _run_compare(args, methods, presets, shared, per_method, model, command, resumable)
 
 

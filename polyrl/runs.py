@@ -134,7 +134,9 @@ def aside_path(run_dir: str | Path) -> Path:
 def _beside(run_dir: str | Path, what: str) -> Path:
     """``.NAME.WHAT`` beside the run directory NAME (a long name cut and tagged with its hash)."""
     run = Path(run_dir)
-    name = run.resolve().name if run.name in ("", ".", "..") else run.name
+    if run.name in ("", ".", ".."):  # '.': beside the directory it means, not inside it
+        run = run.resolve()
+    name = run.name
     if len(name.encode()) > 200:
         import hashlib
 
@@ -143,7 +145,7 @@ def _beside(run_dir: str | Path, what: str) -> Path:
 
 
 @contextlib.contextmanager
-def run_lock(run_dir: str | Path) -> Iterator[None]:
+def run_lock(run_dir: str | Path, option: str = "run_dir") -> Iterator[None]:
     """Hold the run directory for one command: another polyrl command on it meanwhile is refused in one line (two
     writers interleaved one run's metrics and checkpoints, and one's --overwrite or --resume moved files under the
     other). The hold is an ``flock`` on ``.NAME.lock`` beside the directory, which --overwrite's renames leave in
@@ -155,6 +157,7 @@ def run_lock(run_dir: str | Path) -> Iterator[None]:
     import os
 
     lock = _beside(run_dir, "lock")
+    made = [p for p in (lock.parent, *lock.parent.parents) if not p.exists()]  # deepest first
     while True:
         try:
             lock.parent.mkdir(parents=True, exist_ok=True)
@@ -166,8 +169,8 @@ def run_lock(run_dir: str | Path) -> Iterator[None]:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
-            raise ConfigError(f"run_dir = '{run_dir}' is in use by another polyrl command (it holds {str(lock)!r}); "
-                              "let it finish or stop it, or choose another run directory") from None
+            raise ConfigError(f"{option} = '{run_dir}' is in use by another polyrl command (it holds {str(lock)!r}); "
+                              "let it finish or stop it, or choose another directory") from None
         try:
             if os.stat(lock).st_ino == os.fstat(fd).st_ino:
                 break  # the file still at that name: held
@@ -180,6 +183,11 @@ def run_lock(run_dir: str | Path) -> Iterator[None]:
         with contextlib.suppress(OSError):
             lock.unlink()
         os.close(fd)
+        for folder in made:  # made only to hold the lock (a refused command): removed while empty
+            try:
+                folder.rmdir()
+            except OSError:
+                break
 
 
 def _deleting(aside: Path) -> Path:
@@ -493,8 +501,8 @@ def resume_values(saved: dict[str, Any], given: dict[str, Any], *, what: str = "
         if name in RUN_CONTROL or new is None:
             continue
         old = saved.get(name)
-        if same_value(old, new) or (name in PATH_SETTINGS and same_value(absolute_paths({name: old})[name], new)):
-            continue  # (a run recorded with relative paths, resumed from the directory it started in)
+        if same_setting(name, old, new):
+            continue
         if name not in RESUME_MAY_CHANGE:
             raise ConfigError(f"{name} = {new!r} differs from the run's own {name} = {old!r}{what}; a resume keeps "
                               f"the run's settings (may change: {', '.join(RESUME_MAY_CHANGE)}); drop the flag, or "
@@ -516,20 +524,27 @@ def absolute_paths(values: dict[str, Any]) -> dict[str, Any]:
         value = out.get(name)
         if isinstance(value, str) and value.strip():
             pieces = value.split(",") if name == "reward_funcs" else [value]
-            out[name] = ",".join(_absolute(piece) for piece in pieces)
+            out[name] = ",".join(_absolute(piece, function=name == "reward_funcs") for piece in pieces)
     return out
 
 
-def _absolute(text: str) -> str:
-    """An existing path (or the ``FILE`` of ``FILE:function``) made absolute; anything else, and the words that
-    name no path (``auto``, ``none``, ``task``, even beside a file of that name), as it was."""
+def _absolute(text: str, *, function: bool = False) -> str:
+    """An existing path made absolute, or with ``function`` (a reward spec) the ``FILE.py`` of ``FILE.py:function``;
+    anything else (a ``module:function``, even beside a folder of that name) and the words that name no path
+    (``auto``, ``none``, ``task``) as it was."""
     if text.strip() in ("auto", "none", "task"):
         return text
-    head, colon, function = text.rpartition(":")
-    for path, rest in ((text, ""), (head, colon + function)):
-        if path and Path(path).expanduser().exists():
-            return str(Path(path).expanduser().resolve()) + rest
+    head, colon, name = text.rpartition(":")
+    path, rest = (head, colon + name) if function else (text, "")
+    if path and (not function or path.endswith(".py")) and Path(path).expanduser().exists():
+        return str(Path(path).expanduser().resolve()) + rest
     return text
+
+
+def same_setting(name: str, saved: Any, new: Any) -> bool:
+    """Whether a run's recorded setting ``name`` is ``new``: equal values, or for a path setting the same path (a run
+    recorded with relative paths, read from the directory it started in)."""
+    return same_value(saved, new) or (name in PATH_SETTINGS and same_value(absolute_paths({name: saved})[name], new))
 
 
 def same_value(a: Any, b: Any) -> bool:

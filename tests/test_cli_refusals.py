@@ -178,6 +178,15 @@ def test_a_rerun_keeps_only_the_finished_runs_it_asks_for(tmp_path, capsys, tiny
     assert list(json.loads((out / "results.json").read_text())["methods"]) == ["dapo"]
 
 
+def test_a_second_compare_on_an_out_in_use_is_refused(tmp_path, capsys, no_runs, tiny_model):
+    """Before, it truncated the running compare's logs and wrote a report of its half-done runs."""
+    from polyrl.runs import run_lock
+
+    with run_lock(tmp_path / "c", "out"):
+        assert main(compare(tmp_path, "--model", tiny_model)) == 2
+    one_line_error(capsys, "out = ", "is in use by another polyrl command")
+
+
 def test_a_stopped_compare_stops_the_runs_it_started(tmp_path, monkeypatch):
     """Ctrl-C or SIGTERM (an exception in run_all): the running child gets SIGTERM, no further run starts. Before,
     a SIGTERM left the child training on, and the rerun the message asks for wrote into its run directory too."""

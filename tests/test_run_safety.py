@@ -124,6 +124,50 @@ def test_a_run_started_with_relative_paths_resumes_from_another_directory(tiny_m
     capsys.readouterr()
 
 
+def test_a_family_resume_holds_its_run_too(tmp_path, capsys):
+    """q, duplex and marl --resume hold the run before they read it: an --overwrite meanwhile replaced the run the
+    resume went on writing checkpoints into."""
+    from polyrl.runs import run_lock
+
+    run = tmp_path / "q"
+    assert main(["q", "train", "--run-dir", str(run), "--steps", "2"]) == 0
+    capsys.readouterr()
+    with run_lock(run):
+        code, err = _cli(["q", "train", "--run-dir", str(run), "--resume", "--steps", "3"], capsys)
+    _one_line(code, err, f"run_dir = '{run}' is in use by another polyrl command")
+    assert json.loads((run / "summary.json").read_text())["steps_done"] == 2
+
+
+def test_the_lock_lies_beside_the_directory_and_leaves_no_folders(tmp_path, monkeypatch):
+    """``--run-dir .`` keeps its lock beside the directory it means (inside, it was a foreign file that refused the
+    run); folders made only to hold a refused command's lock are removed."""
+    from polyrl.runs import run_lock
+
+    (tmp_path / "d").mkdir()
+    monkeypatch.chdir(tmp_path / "d")
+    with run_lock("."):
+        assert (tmp_path / ".d.lock").is_file() and not list((tmp_path / "d").iterdir())
+    with run_lock(tmp_path / "typo" / "deep" / "x"):
+        assert (tmp_path / "typo" / "deep" / ".x.lock").is_file()
+    assert not (tmp_path / "typo").exists() and not (tmp_path / ".d.lock").exists()
+
+
+def test_absolute_paths_keep_what_names_no_file(tmp_path, monkeypatch):
+    """A reward ``module:function`` stays as given even beside a folder of the module's name (made absolute, it
+    could not be imported); a ``FILE.py:function`` and an existing data file become absolute."""
+    from polyrl.runs import absolute_paths
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "myproj").mkdir()
+    (tmp_path / "r.py").write_text("")
+    (tmp_path / "auto").write_text("")
+    (tmp_path / "d.jsonl").write_text("")
+    out = absolute_paths({"reward_funcs": "task,myproj:reward,r.py:f", "chat_template": "auto",
+                          "data_file": "d.jsonl", "lr": 1e-3})
+    assert out == {"reward_funcs": f"task,myproj:reward,{tmp_path / 'r.py'}:f", "chat_template": "auto",
+                   "data_file": str(tmp_path / "d.jsonl"), "lr": 1e-3}
+
+
 # ---- 1. --overwrite deletes only a polyrl run ----------------------------------------------------------------
 
 def test_overwrite_refuses_a_directory_that_is_not_a_run(tiny_model, tmp_path, capsys, monkeypatch):

@@ -82,12 +82,22 @@ def resume_settings(args: argparse.Namespace, run_dir: str):
 
 
 def cmd_duplex_train(args: argparse.Namespace) -> int:
-    from polyrl.families.duplex.train import train_duplex
-    from polyrl.runs import new_run
+    from polyrl.runs import run_lock, signals_unwind
 
     cfg = _train_config(args)
     method = _method(args)
     run_dir = args.run_dir or f"runs/duplex/{method.name}-{cfg.task}-s{cfg.seed}"
+    with contextlib.ExitStack() as held:
+        if args.resume:  # held before the run is read (a new run is held by new_run); SIGTERM unwinds
+            held.enter_context(signals_unwind())
+            held.enter_context(run_lock(run_dir))
+        return _train(args, cfg, method, run_dir)
+
+
+def _train(args: argparse.Namespace, cfg, method, run_dir: str) -> int:
+    from polyrl.families.duplex.train import train_duplex
+    from polyrl.runs import new_run
+
     if args.resume:
         if args.overwrite:
             raise ConfigError("resume and overwrite are exclusive; pass one of them")

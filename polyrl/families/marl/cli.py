@@ -62,6 +62,16 @@ def resume_config(run_dir: Path, given: dict):
 
 
 def cmd_marl_train(args: argparse.Namespace) -> int:
+    from polyrl.runs import run_lock, signals_unwind
+
+    with contextlib.ExitStack() as held:
+        if args.resume and args.run_dir:  # before the run is read (a new run is held by new_run); SIGTERM unwinds
+            held.enter_context(signals_unwind())
+            held.enter_context(run_lock(args.run_dir))
+        return _train(args)
+
+
+def _train(args: argparse.Namespace) -> int:
     from polyrl.families.marl.methods import get_marl_method
     from polyrl.families.marl.train import train_marl
     from polyrl.runs import new_run

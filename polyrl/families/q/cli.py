@@ -64,6 +64,16 @@ def resolve_train(args: argparse.Namespace):
 
 
 def cmd_q_train(args: argparse.Namespace) -> int:
+    from polyrl.runs import run_lock, signals_unwind
+
+    with contextlib.ExitStack() as held:
+        if args.resume and args.run_dir:  # before the run is read (a new run is held by new_run); SIGTERM unwinds
+            held.enter_context(signals_unwind())
+            held.enter_context(run_lock(args.run_dir))
+        return _train(args)
+
+
+def _train(args: argparse.Namespace) -> int:
     from polyrl.families.q.train import CHECKPOINT, load_checkpoint, train_q
     from polyrl.runs import new_run, record_resume
 
