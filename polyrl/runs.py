@@ -190,6 +190,17 @@ def run_lock(run_dir: str | Path, option: str = "run_dir") -> Iterator[None]:
                 break
 
 
+@contextlib.contextmanager
+def resume_hold(run_dir: str | Path | None) -> Iterator[None]:
+    """A family ``--resume``'s hold on its run (``run_lock``), taken before the run is read, with SIGTERM unwinding;
+    ``None`` (a new run, which ``new_run`` holds, or no run directory given) holds nothing."""
+    if run_dir is None:
+        yield
+        return
+    with signals_unwind(), run_lock(run_dir):
+        yield
+
+
 def _deleting(aside: Path) -> Path:
     """Where an old run goes while it is deleted: a name recovery never puts back (a half-deleted run is no run)."""
     return aside.with_name(aside.name + ".deleting")

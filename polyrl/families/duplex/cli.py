@@ -82,15 +82,12 @@ def resume_settings(args: argparse.Namespace, run_dir: str):
 
 
 def cmd_duplex_train(args: argparse.Namespace) -> int:
-    from polyrl.runs import run_lock, signals_unwind
+    from polyrl.runs import resume_hold
 
     cfg = _train_config(args)
     method = _method(args)
     run_dir = args.run_dir or f"runs/duplex/{method.name}-{cfg.task}-s{cfg.seed}"
-    with contextlib.ExitStack() as held:
-        if args.resume:  # held before the run is read (a new run is held by new_run); SIGTERM unwinds
-            held.enter_context(signals_unwind())
-            held.enter_context(run_lock(run_dir))
+    with resume_hold(run_dir if args.resume else None):  # a new run is held by new_run
         return _train(args, cfg, method, run_dir)
 
 

@@ -62,12 +62,9 @@ def resume_config(run_dir: Path, given: dict):
 
 
 def cmd_marl_train(args: argparse.Namespace) -> int:
-    from polyrl.runs import run_lock, signals_unwind
+    from polyrl.runs import resume_hold
 
-    with contextlib.ExitStack() as held:
-        if args.resume and args.run_dir:  # before the run is read (a new run is held by new_run); SIGTERM unwinds
-            held.enter_context(signals_unwind())
-            held.enter_context(run_lock(args.run_dir))
+    with resume_hold(args.run_dir if args.resume and args.run_dir else None):  # a new run is held by new_run
         return _train(args)
 
 
