@@ -45,7 +45,7 @@ def sample_counts(run_dir: str | Path, *, n: int, prompts: int | None = None, th
 
     The run's newest checkpoint (a finished run's is its final step) is exported with polyrl's own
     ``export_hf`` (any checkpoint layout) and loaded with ``load_policy``; the held-out prompts are the run's own
-    evaluation prompts (``task.prompts("test", prompts, seed=0)``, ``prompts`` default: the run's ``eval_prompts``,
+    evaluation prompts (``held_out_prompts(task, prompts)``, each once; ``prompts`` default: the run's ``eval_prompts``,
     rendered as the run rendered them). Cached in
     ``RUN_DIR/passk_n{n}_p{prompts}.json`` next to the checkpoint step it was computed from.
     """
@@ -57,6 +57,7 @@ def sample_counts(run_dir: str | Path, *, n: int, prompts: int | None = None, th
     from polyrl.rollout.hf import HFGenerator
     from polyrl.rollout.score import succeeded
     from polyrl.tasks import get_task
+    from polyrl.tasks.base import held_out_prompts
     from polyrl.tasks.chat import PromptFormat, formatted_task
 
     run_dir = Path(run_dir)
@@ -74,7 +75,7 @@ def sample_counts(run_dir: str | Path, *, n: int, prompts: int | None = None, th
     task = get_task(cfg["task"], data_file=cfg.get("data_file"), heldout_percent=cfg.get("heldout_percent", 10))
     task = formatted_task(task, PromptFormat(tokenizer, cfg.get("chat_template", "auto"), cfg.get("system_prompt"),
                                              model=f"model {cfg['model']!r}"))
-    held_out = task.prompts("test", prompts, seed=0)
+    held_out = held_out_prompts(task, prompts)
     runner = EpisodeRunner(HFGenerator(model, tokenizer), tokenizer, task)
     params = SamplingParams(n=n, temperature=1.0, max_new_tokens=int(cfg["max_new_tokens"]), seed=SAMPLE_SEED)
     counts = [0] * len(held_out)
