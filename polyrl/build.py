@@ -174,6 +174,7 @@ def resolve_train(args: argparse.Namespace, *, claim: Callable[[str], None] | No
         check_prompt_format(cfg.data.chat_template, cfg.data.system_prompt, cfg.model, task)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    _check_contexts(cfg)
     from polyrl.checkpoint import latest_checkpoint, resume_checkpoint
     from polyrl.launch import world
 
@@ -206,6 +207,22 @@ def resolve_train(args: argparse.Namespace, *, claim: Callable[[str], None] | No
 
         refuse_foreign(run_dir, inputs=inputs)
     return plan
+
+
+def _check_contexts(cfg: TrainConfig) -> None:
+    """``max_new_tokens`` must leave room for a prompt in the context of every model that reads a completion: the
+    policy (a warm start has ``tinylm.MAX_POSITIONS``), a distillation teacher, an agency baseline. The sampler checks
+    each prompt's own length (``rollout/hf.py``)."""
+    from polyrl.model import check_context, model_context
+    from polyrl.tinylm import MAX_POSITIONS
+
+    models = {"model": cfg.model, "teacher": cfg.distill.teacher, "agency": cfg.agency.baseline}
+    for setting, path in models.items():
+        if path is None and setting != "model":
+            continue
+        context = MAX_POSITIONS if path is None else model_context(path)
+        named = "the warm start" if path is None else f"{setting} = {str(path)!r}"
+        check_context(1, cfg.max_new_tokens, context, model=named)
 
 
 def _recover_replaced(run_dir: str, notes: list[str]) -> None:
@@ -461,13 +478,14 @@ def build_components(cfg: TrainConfig, method, task, model_dir: str) -> Componen
 
     sampler = _rollout_runner(cfg, method, learner, runner, arbiter, model_dir)  # the evaluator keeps `runner`
     if cfg.preference.file is not None:  # offline preference rows: no generation
+        from polyrl.model import context_length
         from polyrl.rollout.preference import PreferenceSource
         from polyrl.rollout.preference_data import read_pairs
 
         put = PromptFormat(tokenizer, cfg.data.chat_template, cfg.data.system_prompt, model=f"model {model_dir!r}")
         source = PreferenceSource(read_pairs(cfg.preference.file), tokenizer, put.apply,
                                   pairs_per_step=cfg.prompts_per_step, seed=cfg.seed,
-                                  max_new_tokens=cfg.max_new_tokens)
+                                  max_new_tokens=cfg.max_new_tokens, context=context_length(policy))
     elif cfg.sampler == "tree":
         source = _tree_source(cfg, learner, generator, sampler, rewards, sampling, tokenizer)
     else:

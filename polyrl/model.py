@@ -119,6 +119,41 @@ def load_policy(model_dir: str | Path, *, dtype: DType = "float32", threads: int
     return model, tokenizer
 
 
+def context_length(model_or_config) -> int | None:
+    """The positions a model can attend over (``config.max_position_embeddings``; GPT-2's ``n_positions`` through
+    transformers' attribute map), or None where its config names none.
+
+    Convention: vLLM's ``max_model_len``. A prompt and its ``max_new_tokens`` must fit in it: models with learned
+    positions (GPT-2) fail beyond it, and rotary models were not trained there."""
+    config = getattr(model_or_config, "config", model_or_config)
+    n = getattr(config, "max_position_embeddings", None)
+    return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
+
+
+def model_context(model_dir: str | Path) -> int | None:
+    """``context_length`` of a local model directory, from its config.json alone; None where the config cannot be
+    read (loading the model says why, in one line)."""
+    from transformers import AutoConfig
+
+    try:
+        return context_length(AutoConfig.from_pretrained(model_dir, local_files_only=True))
+    except Exception:  # noqa: BLE001 (a missing or damaged config.json: load_model refuses it with its own line)
+        return None
+
+
+def check_context(prompt_tokens: int, max_new_tokens: int, context: int | None, *, prompt: str = "a prompt",
+                  model: str = "the model") -> None:
+    """Refuse (``ConfigError``, one line) a prompt whose tokens and ``max_new_tokens`` exceed ``context``."""
+    if context is None or prompt_tokens + max_new_tokens <= context:
+        return
+    if max_new_tokens >= context:
+        raise ConfigError(f"max_new_tokens = {max_new_tokens} leaves no room for a prompt in the context of {model} "
+                          f"({context} positions, max_position_embeddings); allowed: below {context}")
+    raise ConfigError(f"{prompt} has {prompt_tokens} tokens, and with max_new_tokens = {max_new_tokens} it needs "
+                      f"{prompt_tokens + max_new_tokens} positions, beyond the context of {model} ({context}, "
+                      "max_position_embeddings): shorten the prompt or lower max_new_tokens")
+
+
 def process_logits(
     logits: Tensor, *, temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None
 ) -> Tensor:

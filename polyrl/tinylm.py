@@ -42,6 +42,7 @@ DEFAULT_CHARSET = (
 )
 META_FILE = "warmstart.json"
 SHIPPED = Path(__file__).parent / "warmstarts"  # warm starts shipped with the package, one directory per task
+MAX_POSITIONS = 256  # context of the tiny models (prompt + completion); the warm starts are built with it
 WARMUP_STEPS = 50  # linear learning-rate warm-up of the supervised warm-start
 
 
@@ -79,7 +80,7 @@ def build_tiny_llama(
     layers: int = 4,
     heads: int = 4,
     intermediate: int | None = None,
-    max_positions: int = 256,
+    max_positions: int = MAX_POSITIONS,
     seed: int = 0,
 ) -> Path:
     """Write a randomly initialised LlamaForCausalLM and its character tokenizer to ``out_dir``.
@@ -209,7 +210,7 @@ def warmstart(
         return WarmstartResult(path=str(final), accuracy=meta["accuracy"], steps=meta["steps"],
                                seconds=meta["seconds"], cached=True)
 
-    model, tokenizer = _build(charset, hidden, layers, heads, None, 256, seed)
+    model, tokenizer = _build(charset, hidden, layers, heads, None, MAX_POSITIONS, seed)
     started = time.perf_counter()
     accuracy, steps = _train(model, tokenizer, task, threshold=threshold, max_steps=max_steps,
                              eval_every=eval_every, seed=seed, lr=lr, batch_size=batch_size,

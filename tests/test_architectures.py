@@ -18,7 +18,7 @@ import pytest
 import torch
 from rich.console import Console
 
-from polyrl.config import build_config
+from polyrl.config import ConfigError, build_config
 from polyrl.learner.sharded import export_hf
 from polyrl.methods import get_method
 from polyrl.model import completion_logprobs, head_logits, linear_head, load_policy, logit_softcap
@@ -175,3 +175,22 @@ def test_every_eos_id_of_the_generation_config_stops_a_row(tokenizers, tmp_path,
         model.lm_head.bias[stop_id] = 50.0
     samples = HFGenerator(model, tok).generate(PROMPTS, SamplingParams(n=2, max_new_tokens=5, seed=0))
     assert all(s.completion_token_ids == [stop_id] and s.finish_reason == "stop" for s in samples)
+
+
+@pytest.mark.skipif("gpt2" not in ARCHITECTURES, reason="transformers lacks GPT-2")
+def test_a_prompt_beyond_learned_positions_is_refused_in_one_line(tokenizers, tmp_path):
+    """GPT-2's position table has n_positions = 256 rows: a prompt that fits with its max_new_tokens samples, one
+    token more is a ConfigError naming the lengths (vLLM's rule: prompt + max_new_tokens <= the context; two more
+    was an IndexError deep in the embedding, the last sampled token being never fed back)."""
+    model, tok = load_policy(build_tiny("gpt2", tmp_path / "m", tokenizer=tokenizers[False]), threads=1)
+    ids = tok("1+2=" * 200, add_special_tokens=False)["input_ids"][:250]
+    generator = HFGenerator(model, tok)
+    samples = generator.generate_ids([ids], SamplingParams(n=1, max_new_tokens=6, temperature=0.0))
+    assert len(samples[0].prompt_token_ids) + 6 == 256 and len(samples[0].completion_token_ids) <= 6
+    with pytest.raises(ConfigError) as e:
+        generator.generate_ids([ids], SamplingParams(n=1, max_new_tokens=7, temperature=0.0))
+    message = str(e.value)
+    assert "has 250 tokens" in message and "needs 257 positions" in message and "(256," in message, message
+    assert "\n" not in message
+    with pytest.raises(ConfigError):
+        generator.generate_ids([ids], SamplingParams(n=1, max_new_tokens=8, temperature=0.0))

@@ -234,6 +234,19 @@ def test_source_tokenises_pairs_and_resumes_exactly(tiny_model, tmp_path):
     assert seen == {r.prompt for r in rows}  # one pass covers every row before any repeats
 
 
+def test_a_row_beyond_the_models_context_is_refused_naming_its_line(tiny_model, tmp_path):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)  # a character tokenizer: one token per character, plus BOS
+    rows = read_pairs(_write(tmp_path / "p.jsonl", [ROWS[0], {"prompt": "1+1=", "chosen": "2" * 30, "rejected": "3"}]))
+    fits = PreferenceSource(rows, tok, lambda p: p, pairs_per_step=2, seed=0, max_new_tokens=8, context=36)
+    fits.collect(get_method("dpo"), None, 0)  # BOS + 4 prompt + 30 chosen + EOS = 36 positions
+    src = PreferenceSource(rows, tok, lambda p: p, pairs_per_step=2, seed=0, max_new_tokens=8, context=35)
+    with pytest.raises(ConfigError) as e:
+        src.collect(get_method("dpo"), None, 0)
+    assert str(e.value).startswith("preference_file row 2: the prompt and its chosen completion are 36 tokens"), e.value
+
+
 def _resolve(argv, tmp_path):
     parser = argparse.ArgumentParser()
     add_train_args(parser)

@@ -112,6 +112,9 @@ def strings(prompts, completions, **kw):
 def keyed(prompts, completions, **kw):
     return {i: 0.0 for i in range(len(completions))}
 
+def huge(prompts, completions, **kw):
+    return [1e300 if i == 2 else 0.0 for i in range(len(completions))]
+
 def constant(prompts, completions, **kw):
     return [1.0] * len(completions)
 
@@ -128,6 +131,8 @@ def counted(prompts, completions, answers, **kw):
     ("short", "returned 1 values for 4 completions"),
     ("strings", "returned str 'high', not a float at step 0, completion 0 of prompt index 0"),
     ("keyed", "returned dict, not a list of floats"),  # its keys 0..3 would have been the rewards
+    # finite in Python, inf as a float32 reward: the group's advantages became 0 and training did nothing
+    ("huge", "returned 1e+300, beyond the float32 range (+-3.4e+38) rewards are kept in at step 0, completion 2"),
 ])
 def test_bad_reward_functions_stop_the_run_with_one_line(tiny_model, tmp_path, capsys, fn, fragment):
     (tmp_path / "my_rewards.py").write_text(REWARDS)
@@ -139,6 +144,21 @@ def test_bad_reward_functions_stop_the_run_with_one_line(tiny_model, tmp_path, c
     if fn == "raises":  # the function's traceback goes to the run directory, not the console
         assert "traceback in" in err and "ZeroDivisionError" in (run / "errors.log").read_text()
         assert "Traceback" in (run / "errors.log").read_text()
+
+
+def test_weighted_rewards_beyond_float32_are_refused_naming_the_completion(tmp_path):
+    from polyrl.errors import RewardError
+    from polyrl.tasks import AdditionTask, Prompt
+    from polyrl.tasks.rewards import RewardChannels
+
+    (tmp_path / "my_rewards.py").write_text(REWARDS)
+    prompts = [Prompt(id=f"p{i}", text="1+1=", answer="2") for i in range(2)]
+    fine = RewardChannels(AdditionTask(), [f"{tmp_path / 'my_rewards.py'}:constant"], [3e38])
+    assert fine(prompts, ["2", "3"]).total == [3e38, 3e38]
+    channels = RewardChannels(AdditionTask(), [f"{tmp_path / 'my_rewards.py'}:constant", "task"], [3e38, 1e38])
+    with pytest.raises(RewardError) as e:
+        channels(prompts, ["3", "2"], prompt_index=[0, 1])
+    assert "give 4e+38, beyond the float32 range" in str(e.value) and "completion 1 of prompt index 1" in str(e.value)
 
 
 def test_a_reward_file_named_like_a_standard_module_does_not_replace_it(tmp_path):

@@ -88,6 +88,18 @@ class Generator(Protocol):
         ...
 
 
+def check_prompts_fit(prompt_ids: list[list[int]], max_new_tokens: int, context: int | None, tokenizer) -> None:
+    """Refuse (``ConfigError``, one line showing the prompt's start) a prompt whose tokens and ``max_new_tokens``
+    exceed the model's ``context`` (``model.context_length``; vLLM's ``max_model_len``)."""
+    from polyrl.model import check_context
+
+    for ids in prompt_ids:
+        if context is not None and len(ids) + max_new_tokens > context:
+            shown = tokenizer.decode(ids[:24], skip_special_tokens=True)
+            more = "..." if len(ids) > 24 or len(shown) > 40 else ""
+            check_context(len(ids), max_new_tokens, context, prompt=f"the prompt {shown[:40]!r}{more}")
+
+
 def draw_tokens(logprobs: Tensor, u: Tensor) -> Tensor:
     """Sample one token per row [n] from log-distributions [n, V] by inverse CDF with uniforms ``u`` [n] in [0, 1).
 

@@ -37,9 +37,9 @@ import torch
 from torch import Tensor, nn
 
 from polyrl.errors import TrainingError
-from polyrl.model import float32_head, head_logits, linear_head, logit_softcap, process_logits
+from polyrl.model import context_length, float32_head, head_logits, linear_head, logit_softcap, process_logits
 from polyrl.rollout.agency.arbiter import AgencyArbiter
-from polyrl.rollout.generator import Sample, SamplingParams, draw_tokens
+from polyrl.rollout.generator import Sample, SamplingParams, check_prompts_fit, draw_tokens
 from polyrl.rollout.kv_cache import decode_cache, fill_order
 from polyrl.shared_prompt import cache_keyword, distinct_prompts
 from polyrl.tasks.chat import prompt_ids as encode_prompts
@@ -91,6 +91,7 @@ class HFGenerator:
         for index, ids in enumerate(prompt_ids):
             if not ids:
                 raise ValueError(f"prompt {index} tokenizes to no tokens; nothing to condition on")
+        check_prompts_fit(prompt_ids, params.max_new_tokens, self._context(), self.tokenizer)
         rows = [(index, ids) for index, ids in enumerate(prompt_ids) for _ in range(params.n)]
         keys = list(range(len(rows))) if keys is None else list(keys)
         if len(keys) != len(rows):
@@ -124,6 +125,12 @@ class HFGenerator:
                     )
                 )
         return samples
+
+    def _context(self) -> int | None:
+        """The positions every decoding model can attend over (the learner's, and an agency baseline's)."""
+        models = [self.model] + ([self.arbiter.baseline] if self.arbiter is not None else [])
+        known = [n for n in map(context_length, models) if n is not None]
+        return min(known) if known else None
 
     @torch.inference_mode()
     def _decode(

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from polyrl.errors import ConfigError
 from polyrl.objectives import Method
 from polyrl.rollout.collect import RolloutBatch
 from polyrl.rollout.generator import Sample
@@ -32,9 +33,10 @@ class PreferenceSource:
     """Groups of (chosen, rejected) from preference rows; implements ``rollout.source.RolloutSource``."""
 
     def __init__(self, rows: list[PreferenceRow], tokenizer, put: Callable[[Prompt], Prompt], *,
-                 pairs_per_step: int, seed: int, max_new_tokens: int) -> None:
-        """``put`` renders a prompt as the run does (``tasks.chat.PromptFormat.apply``)."""
-        self.rows, self.tokenizer, self.put = rows, tokenizer, put
+                 pairs_per_step: int, seed: int, max_new_tokens: int, context: int | None = None) -> None:
+        """``put`` renders a prompt as the run does (``tasks.chat.PromptFormat.apply``); a row longer than ``context``
+        (the model's positions) is refused when it is reached."""
+        self.rows, self.tokenizer, self.put, self.context = rows, tokenizer, put, context
         self.pairs_per_step, self.seed, self.max_new_tokens = pairs_per_step, seed, max_new_tokens
         self.pos = 0  # rows taken so far
         self._order: tuple[int, Tensor] | None = None  # (pass, permutation) cache
@@ -53,13 +55,17 @@ class PreferenceSource:
         head = prompt_ids(self.tokenizer, [prompt])[0]
         eos = self.tokenizer.eos_token_id
         out = []
-        for text in (row.chosen, row.rejected):
+        for name, text in (("chosen", row.chosen), ("rejected", row.rejected)):
             full = prompt_ids(self.tokenizer, [prompt], [text])[0]
             if full[:len(head)] == head:
                 ids = full[len(head):]
             else:  # the tokenizer merged across the boundary: encode the completion on its own
                 ids = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
             ids = ids + ([eos] if eos is not None else [])
+            if self.context is not None and len(head) + len(ids) > self.context:
+                raise ConfigError(f"preference_file row {row.line}: the prompt and its {name} completion are "
+                                  f"{len(head) + len(ids)} tokens, beyond the model's context of {self.context} "
+                                  "positions (max_position_embeddings); shorten or drop the row")
             out.append(Sample(prompt_index=k, prompt_token_ids=list(head), completion_token_ids=ids,
                               logprobs=[0.0] * len(ids), finish_reason="stop", text=text))
         return prompt, out

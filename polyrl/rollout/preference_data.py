@@ -31,6 +31,7 @@ class PreferenceRow(NamedTuple):
     prompt: str
     chosen: str
     rejected: str
+    line: int = 0  # its line in the file (1-based), for messages
 
 
 def read_pairs(path: str | Path) -> list[PreferenceRow]:
@@ -63,7 +64,7 @@ def read_pairs(path: str | Path) -> list[PreferenceRow]:
                                  "are not supported)")
         if row["chosen"] == row["rejected"]:
             raise ValueError(f"{where}: row {n} field 'rejected' equals 'chosen'; allowed: two different completions")
-        rows.append(PreferenceRow(row["prompt"], row["chosen"], row["rejected"]))
+        rows.append(PreferenceRow(row["prompt"], row["chosen"], row["rejected"], n))
     if not rows:
         raise ValueError(f"{where} has no rows; allowed: a JSONL file of prompt/chosen/rejected rows")
     return rows

@@ -30,7 +30,7 @@ import secrets
 import numpy as np
 from torch import Tensor
 
-from polyrl.rollout.generator import Sample, SamplingParams
+from polyrl.rollout.generator import Sample, SamplingParams, check_prompts_fit
 
 TOKENS = 0  # HFGenerator's stream index of the token draws: the seed of a row is derived as its uniforms are
 
@@ -84,6 +84,8 @@ class VLLMGenerator:
         for index, ids in enumerate(prompt_ids):
             if not ids:
                 raise ValueError(f"prompt {index} tokenizes to no tokens; nothing to condition on")
+        check_prompts_fit(prompt_ids, params.max_new_tokens, self.llm.llm_engine.model_config.max_model_len,
+                          self.tokenizer)  # vLLM refuses these too, in a longer message
         rows = [(index, list(ids)) for index, ids in enumerate(prompt_ids) for _ in range(params.n)]
         keys = list(range(len(rows))) if keys is None else list(keys)
         if len(keys) != len(rows):

@@ -25,6 +25,8 @@ from polyrl.errors import RewardError, Terminated
 from polyrl.plugins import import_module_or_file
 from polyrl.tasks.base import Prompt, Task
 
+FLOAT32_MAX = 3.4028234663852886e38  # rewards become float32 tensors: a larger one would be inf there
+
 RewardFn = Callable[..., list[float]]
 
 
@@ -85,6 +87,11 @@ class RewardChannels:
         where = list(prompt_index) if prompt_index is not None else [None] * len(completions)
         columns = [self._channel(spec, fn, prompts, completions, where) for spec, fn in zip(self.specs, self._fns)]
         total = [sum(w * col[i] for w, col in zip(self.weights, columns)) for i in range(len(completions))]
+        for i, t in enumerate(total):
+            if not abs(t) <= FLOAT32_MAX:  # weights times rewards beyond float32 (inf or nan there)
+                raise RewardError(",".join(self.specs), f"weighted by reward_weights = {self.weights} give {t:g}, "
+                                  f"beyond the float32 range (+-{FLOAT32_MAX:.3g}) rewards are kept in",
+                                  completion=i, prompt_index=where[i])
         channels = [list(row) for row in zip(*columns)] if len(columns) > 1 else None
         return Rewards(total=total, channels=channels)
 
@@ -118,4 +125,7 @@ class RewardChannels:
                 raise error(f"returned {type(v).__name__} {v!r}, not a float", i)
             if not math.isfinite(float(v)):
                 raise error(f"returned {float(v)}, not a finite float", i)
+            if abs(float(v)) > FLOAT32_MAX:
+                raise error(f"returned {float(v):g}, beyond the float32 range (+-{FLOAT32_MAX:.3g}) rewards are "
+                            "kept in", i)
         return [float(v) for v in values]

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from polyrl.errors import TrainingError
+from polyrl.errors import ConfigError, TrainingError
 from polyrl.rollout.episodes import Episode
 from polyrl.rollout.generator import SamplingParams
 from polyrl.rollout.remote.worker import RolloutWorker, WorkerReply, WorkerSpec
@@ -119,6 +119,8 @@ class WorkerPool:
         try:
             replies: list[WorkerReply] = ray.get(pending.refs, timeout=REPLY_TIMEOUT_S)
         except RayTaskError as e:
+            if isinstance(e.cause, ConfigError):  # a setting the worker found unusable (a prompt beyond the context)
+                raise e.cause from None
             raise WorkerError(f"a rollout worker raised: {e.cause!r}") from None
         except RayActorError as e:
             cause = getattr(e, "cause", None)  # a failure in the actor's start-up (a model directory missing...)
