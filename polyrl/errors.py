@@ -7,6 +7,9 @@ and re-exported there.
 """
 
 
+FLOAT32_MAX = 3.4028234663852886e38  # a setting or reward beyond it is inf in a float32 tensor
+
+
 class ConfigError(ValueError):
     """A configuration value that cannot be used; one line naming field, value and what is allowed (exit code 2).
     Defined here, not in ``polyrl.config``, so that light modules (``polyrl.model``) can raise it without importing

@@ -16,7 +16,7 @@ import sys
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -75,19 +75,14 @@ class RunLogger:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.console = console or Console()
         self.table_every = table_every
-        self._jsonl = open(self.run_dir / "metrics.jsonl", "a")
+        # metrics.jsonl, tb/ and wandb/ are made by the first row: a run that fails before it wrote nothing but its
+        # config.json, so an --overwrite it was replacing is put back (runs.run_started)
+        self._jsonl: IO[str] | None = None
+        self._tensorboard, self._purge_step = tensorboard, purge_step
+        self._wandb_config = dict(config or {}) if wandb else None
         self._rows: list[dict[str, Any]] = []
         self._tb = None
-        if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._tb = SummaryWriter(str(self.run_dir / "tb"), purge_step=purge_step)
         self._wandb = None
-        if wandb:
-            os.environ.setdefault("WANDB_MODE", "offline")
-            import wandb as wb  # optional dependency
-
-            self._wandb = wb.init(dir=str(self.run_dir), config=dict(config or {}), mode="offline")
 
     def log(self, step: int, metrics: Mapping[str, Any]) -> None:
         row = {"step": step}
@@ -98,6 +93,8 @@ class RunLogger:
         self.history.append(row)
         if not self.enabled:
             return
+        if self._jsonl is None:
+            self._open()
         self._jsonl.write(json.dumps(row) + "\n")
         self._jsonl.flush()
         if self._tb is not None:
@@ -109,6 +106,18 @@ class RunLogger:
         self._rows.append(row)
         if self.table_every and len(self._rows) >= self.table_every:
             self.print_table()
+
+    def _open(self) -> None:
+        self._jsonl = open(self.run_dir / "metrics.jsonl", "a")
+        if self._tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(str(self.run_dir / "tb"), purge_step=self._purge_step)
+        if self._wandb_config is not None:
+            os.environ.setdefault("WANDB_MODE", "offline")
+            import wandb as wb  # optional dependency
+
+            self._wandb = wb.init(dir=str(self.run_dir), config=self._wandb_config, mode="offline")
 
     def print_table(self) -> None:
         if not self._rows:
@@ -135,7 +144,8 @@ class RunLogger:
         if not self.enabled:
             return
         self.print_table()
-        self._jsonl.close()
+        if self._jsonl is not None:
+            self._jsonl.close()
         if self._tb is not None:
             self._tb.close()
         if self._wandb is not None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import re
 import signal
 import sys
@@ -154,7 +155,6 @@ def run_lock(run_dir: str | Path, option: str = "run_dir") -> Iterator[None]:
     a file that was removed meanwhile is taken again on the new one. Where the lock file cannot be made (a read-only
     folder), nothing is held."""
     import fcntl
-    import os
 
     lock = _beside(run_dir, "lock")
     made = [p for p in (lock.parent, *lock.parent.parents) if not p.exists()]  # deepest first
@@ -331,6 +331,12 @@ def replaceable(run_dir: str | Path, *, inputs: dict[str, Any] | None = None) ->
                       "summary.json, checkpoints/step_*): move those files or choose another --run-dir")
 
 
+def max_threads() -> int:
+    """The most CPU threads a command may ask for: 4 per core. More only oversubscribe the cores (duplex at 2,000
+    threads on 2 cores ran 7x slower than at 64), and tens of thousands failed to start or crashed the process."""
+    return 4 * (os.cpu_count() or 1)
+
+
 def check_out_dir(path: str | Path, option: str = "--out") -> None:
     """Refuse, in one line, an output directory that is a file or lies under one (it failed with a traceback after
     the work was done, or before it with a file-system error)."""
@@ -345,6 +351,14 @@ def check_out_dir(path: str | Path, option: str = "--out") -> None:
     blocker = next((p for p in [where, *where.parents] if p.exists() or p.is_symlink()), None)
     if blocker is not None and not blocker.is_dir():
         raise ConfigError(f"{option} = {str(path)!r} is not allowed: {str(blocker)!r} is a file, not a directory")
+    made = [p for p in [where, *where.parents] if not p.exists()]  # deepest first
+    try:  # one that cannot be made (a read-only or virtual file system) failed in a traceback later
+        where.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"{option} = {str(path)!r} cannot be created: {e.strerror or e}") from None
+    for p in made:  # made again when the command writes into it
+        with contextlib.suppress(OSError):
+            p.rmdir()
 
 
 def _input_paths(inputs: dict[str, Any] | None) -> list[tuple[str, Any, Path]]:

@@ -419,6 +419,58 @@ def test_an_out_that_is_a_file_is_refused_before_any_work(tmp_path, capsys, argv
         one_line_error(capsys, "out = ''", "is not allowed")
 
 
+@pytest.mark.parametrize("argv", [
+    ["q", "search", "--out", "OUT"],
+    ["duplex", "report", "--seeds", "1", "--out", "OUT"],
+    ["marl", "report", "--seeds", "1", "--out", "OUT"],
+])
+def test_an_out_that_cannot_be_made_or_is_in_use_is_refused_in_one_line(tmp_path, capsys, argv):
+    """An --out on a file system that refuses it was a PermissionError or FileNotFoundError traceback; a second
+    report on an --out in use deleted the first one's runs (start_run_dir) and mixed the two."""
+    from polyrl.runs import run_lock
+
+    assert main([a.replace("OUT", "/proc/polyrl-no-such/x") for a in argv]) == 2
+    one_line_error(capsys, "--out = '/proc/polyrl-no-such/x' cannot be created")
+    if argv[0] == "q":  # q search refuses an existing --out anyway
+        return
+    out = tmp_path / "r"
+    with run_lock(out, "out"):
+        assert main([a.replace("OUT", str(out)) for a in argv]) == 2
+        one_line_error(capsys, f"out = '{out}' is in use by another polyrl command")
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("argv", [
+    ["train", "--steps", "1"],
+    ["duplex", "train", "--steps", "1"],
+    ["marl", "train", "--steps", "1"],
+    ["safety", "unlearn", "--seeds", "1"],
+])
+def test_more_threads_than_four_per_core_are_refused_before_any_work(tmp_path, capsys, monkeypatch, argv):
+    """``--threads 100000`` crashed duplex, marl and the safety tools (a segfault, libgomp failing to start
+    threads, an overflow traceback); thousands crawled. At most 4 per core, here 2 cores."""
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    out = tmp_path / "out"
+    flag = "--out" if argv[0] == "safety" else "--run-dir"
+    assert main([*argv, flag, str(out), "--threads", "9"]) == 2
+    one_line_error(capsys, "threads = 9", "[", ", 8]", "4 per core")
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["flow", "train", "--lr", "1e300"], ["lr = 1e+300 is not allowed", "at most 3.4e+38"]),
+    (["marl", "train", "--lr", "1e39"], ["lr = 1e+39 is not allowed", "at most 3.4e+38"]),
+    (["duplex", "train", "--imitation-lr", "1e39"], ["imitation_lr = 1e+39 is not allowed", "float32"]),
+    (["duplex", "train", "--natural-noise", "49"], ["natural_noise = 49 is not allowed", "[0, frames = 48]"]),
+])
+def test_family_settings_beyond_float32_are_refused_before_any_work(tmp_path, capsys, argv, words):
+    """Finite, but inf in the family's float32 tensors: an overflow traceback from the optimizer in step 1 (and an
+    --overwrite then lost the run it replaced); natural_noise 1e300 was numpy's 'high is out of bounds'."""
+    assert main([*argv, "--run-dir", str(tmp_path / "r")]) == 2
+    one_line_error(capsys, *words)
+    assert not (tmp_path / "r").exists()
+
+
 def test_an_allocation_that_fails_is_one_line_and_other_errors_still_raise(tmp_path, capsys, monkeypatch):
     """`q train --size 1000000`, `duplex train --hidden 10000000`: numpy's and torch's allocation errors were
     tracebacks from deep inside the step. A bug that is no allocation failure keeps its traceback."""

@@ -229,6 +229,21 @@ def test_cli_train_and_resume_guard(tmp_path, capsys):
     assert rows == [1, 2, 3]
 
 
+def test_an_imitation_run_resumes(tmp_path, capsys):
+    """An imitation method has no advantage; the record wrote it as the string 'None', which the resume then passed
+    back as an advantage to override with, refusing every resume of an imitation run."""
+    run = tmp_path / "r"
+    flags = ["--method", "imitation", "--imitation-steps", "2", "--imitation-batch", "8", "--groups", "2",
+             "--frames", "40", "--hidden", "8", "--eval-segments", "16", "--run-dir", str(run)]
+    assert _cli("duplex", "train", *flags, "--steps", "2") == 0
+    assert json.loads((run / "config.json").read_text())["parts"] == {"kind": "imitation", "advantage": None}
+    assert _cli("duplex", "train", *flags, "--steps", "3", "--resume") == 0, capsys.readouterr().err
+    record = json.loads((run / "config.json").read_text())
+    record["parts"]["advantage"] = "None"  # as the earlier records have it
+    (run / "config.json").write_text(json.dumps(record))
+    assert _cli("duplex", "train", *flags, "--steps", "4", "--resume") == 0, capsys.readouterr().err
+
+
 def test_short_grpo_improves_interruption_and_pause(tmp_path):
     """A 40-step run: GRPO must cut the yield time after a barge-in and the takeover rate (spec 6 (e))."""
     from polyrl.families.duplex.methods import get_duplex_method

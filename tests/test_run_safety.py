@@ -108,6 +108,37 @@ def test_a_family_run_in_use_is_not_set_aside_by_another_overwrite(tmp_path):
         pass
 
 
+def test_an_overwrite_that_fails_before_its_first_row_puts_the_old_run_back(tmp_path, capsys):
+    """A family command's logger makes its files at the first row: one that failed in step 1 (``flow --overwrite
+    --lr 1e300``, Ctrl-C) had left an empty metrics.jsonl and tb/, which counted as a started run, so the finished
+    run it was replacing was deleted and the directory held nothing to resume."""
+    import io
+
+    from rich.console import Console
+
+    from polyrl.logging import RunLogger
+    from polyrl.runs import new_run
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text('{"config": {"lr": 0.1}}')
+    (run / "metrics.jsonl").write_text('{"step": 1, "loss": 0.5}\n')
+    before = {p.name: p.read_bytes() for p in run.iterdir()}
+    with pytest.raises(KeyboardInterrupt):
+        with new_run(run, overwrite=True, record={"config": {"lr": 1e300}}):
+            logger = RunLogger(run, tensorboard=True, console=Console(file=io.StringIO()))
+            assert sorted(p.name for p in run.iterdir()) == ["config.json"]
+            raise KeyboardInterrupt  # in step 1, before any row
+    assert {p.name: p.read_bytes() for p in run.iterdir()} == before
+    assert "the old run there is as it was" in capsys.readouterr().err
+    with new_run(run, overwrite=True, record={"config": {}}):  # a row written: the new run replaces the old one
+        logger = RunLogger(run, tensorboard=True, console=Console(file=io.StringIO()))
+        logger.log(1, {"loss": 0.25})
+        logger.close()
+    assert sorted(p.name for p in run.iterdir()) == ["config.json", "metrics.jsonl", "tb"]
+    assert json.loads((run / "metrics.jsonl").read_text()) == {"step": 1, "loss": 0.25}
+
+
 def test_a_run_started_with_relative_paths_resumes_from_another_directory(tiny_model, tmp_path, capsys, monkeypatch):
     """Path settings are recorded absolute: a run started in d/ with ``--reward-funcs rew.py:r`` resumes from d's
     parent, given the file again by another relative name or not at all. Before, the record's 'rew.py' was looked

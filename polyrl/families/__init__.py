@@ -103,10 +103,19 @@ def check_fits(needs: dict[str, float]) -> None:
 
 def family_config(values: dict, cls, validate):
     """``cls`` built from flat ``values`` (typed by ``polyrl.config.build_config``) and checked by ``validate``; a
-    ValueError becomes a one-line ConfigError."""
+    ValueError becomes a one-line ConfigError, as does a float setting beyond float32's range."""
+    import dataclasses
+    import math
+
     from polyrl.config import ConfigError, build_config
+    from polyrl.errors import FLOAT32_MAX
 
     cfg = build_config(values, cls)
+    for f in dataclasses.fields(cfg):  # an --lr 1e300 was an overflow traceback from the optimizer
+        v = getattr(cfg, f.name)
+        if isinstance(v, float) and math.isfinite(v) and abs(v) > FLOAT32_MAX:
+            raise ConfigError(f"{f.name} = {v:g} is not allowed; allowed: a number of at most {FLOAT32_MAX:.3g} in "
+                              "size (float32, in which the family trains)")
     try:
         validate(cfg)
     except ValueError as e:

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from polyrl.config import ConfigError
+from polyrl.runs import max_threads
 
 RESULTS = "results.json"
 REPORT = "report.html"
@@ -42,13 +43,14 @@ def add_out_options(p: argparse.ArgumentParser, name: str) -> None:
 
 
 def check_common(args: argparse.Namespace) -> None:
-    """Refuse nan/inf in every float option and ``--threads`` < 1 (torch raises on 0 after work has begun)."""
+    """Refuse nan/inf in every float option and ``--threads`` outside [1, ``runs.max_threads()``] (torch raises on 0
+    after work has begun; tens of thousands crashed the process)."""
     for dest, value in vars(args).items():
         if isinstance(value, float) and not math.isfinite(value):
             refuse(flag(dest), value, "a finite number")
     threads = getattr(args, "threads", 1)
-    if threads < 1:
-        refuse("--threads", threads, "an integer >= 1")
+    if not 1 <= threads <= max_threads():
+        refuse("--threads", threads, f"an integer in [1, {max_threads()}] (4 per core of this machine)")
 
 
 def number_list(text: str, option: str, allowed: str, ok: Callable[[float], bool] = lambda v: True, *,

@@ -21,11 +21,9 @@ import traceback
 from collections.abc import Callable, Mapping, Sequence, Set
 from dataclasses import dataclass
 
-from polyrl.errors import RewardError, Terminated
+from polyrl.errors import FLOAT32_MAX, RewardError, Terminated  # rewards become float32 tensors
 from polyrl.plugins import import_module_or_file
 from polyrl.tasks.base import Prompt, Task
-
-FLOAT32_MAX = 3.4028234663852886e38  # rewards become float32 tensors: a larger one would be inf there
 
 RewardFn = Callable[..., list[float]]
 

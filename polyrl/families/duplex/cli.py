@@ -54,7 +54,7 @@ def _method(args: argparse.Namespace, default: str = "grpo", advantage: str | No
 
 def _parts(method) -> dict:
     """What defines the method beyond its name (an --advantage override keeps the preset's name)."""
-    return {"kind": method.kind, "advantage": str(method.advantage)}
+    return {"kind": method.kind, "advantage": None if method.advantage is None else str(method.advantage)}
 
 
 def resume_settings(args: argparse.Namespace, run_dir: str):
@@ -70,8 +70,10 @@ def resume_settings(args: argparse.Namespace, run_dir: str):
         raise ConfigError(f"run_dir = '{run_dir}' holds no run to resume")
     current = effective_config(run_dir)  # config.json with the earlier resumes' changes (an extended steps stays)
     cfg = family_config({**current, **_given(args)}, DuplexTrainConfig, validate_config)
-    method = _method(args, default=saved.get("method", "grpo"), advantage=saved.get("parts", {}).get("advantage"))
-    old = {**current, "method": saved.get("method"), **saved.get("parts", {})}
+    # an imitation method has no advantage: earlier records wrote it as the string 'None'
+    parts = {k: None if v == "None" else v for k, v in saved.get("parts", {}).items()}
+    method = _method(args, default=saved.get("method", "grpo"), advantage=parts.get("advantage"))
+    old = {**current, "method": saved.get("method"), **parts}
     new = {**asdict(cfg), "method": method.name, **_parts(method)}
     changed = [k for k in new if k != "steps" and k in old and old[k] != new[k]]
     if changed:
@@ -124,7 +126,7 @@ def _train(args: argparse.Namespace, cfg, method, run_dir: str) -> int:
 
 def cmd_duplex_report(args: argparse.Namespace) -> int:
     from polyrl.families.duplex.report import write_duplex_report
-    from polyrl.runs import check_out_dir
+    from polyrl.runs import check_out_dir, run_lock, signals_unwind
 
     check_out_dir(args.out)
     if args.seeds < 1:
@@ -135,8 +137,9 @@ def cmd_duplex_report(args: argparse.Namespace) -> int:
         raise ConfigError(f"seed = {_given(args)['seed']!r} is not allowed in a report: it trains seeds 0..N-1; "
                           "set their number with --seeds")
     cfg = _train_config(args)
-    res = write_duplex_report(cfg, seeds=args.seeds, out=args.out, level=args.ci, progress=console.print,
-                              overwrite=args.overwrite)
+    with signals_unwind(), run_lock(args.out, "out"):  # a second report on --out deleted this one's runs
+        res = write_duplex_report(cfg, seeds=args.seeds, out=args.out, level=args.ci, progress=console.print,
+                                  overwrite=args.overwrite)
     table = Table(title="GRPO vs imitation baseline (paired, over seeds)")
     for col in ("metric", "better", "baseline", "GRPO", "difference [interval]", "improved"):
         table.add_column(col, justify="right")

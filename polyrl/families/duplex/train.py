@@ -43,7 +43,7 @@ from polyrl.families.duplex.sim import (
     natural_agent,
     rewards,
 )
-from polyrl.runs import check_resume_steps
+from polyrl.runs import check_resume_steps, max_threads
 
 
 @dataclass(frozen=True)
@@ -117,6 +117,9 @@ def validate_config(cfg: DuplexTrainConfig) -> None:
         v = getattr(cfg, name)
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"{name} = {v!r} is not allowed; allowed: an integer >= 1")
+    if cfg.threads > max_threads():
+        raise ValueError(f"threads = {cfg.threads} is not allowed; allowed: an integer in [1, {max_threads()}] "
+                         "(4 per core of this machine)")
     for name in ("imitation_steps", "checkpoint_every", "seed", "min_gap"):
         v = getattr(cfg, name)
         if isinstance(v, bool) or not isinstance(v, int) or v < 0:
@@ -139,6 +142,9 @@ def validate_config(cfg: DuplexTrainConfig) -> None:
         v = getattr(cfg, name)
         if not (math.isfinite(v) and v >= 0):
             raise ValueError(f"{name} = {v!r} is not allowed; allowed: >= 0")
+    if cfg.natural_noise > cfg.frames:  # offsets of 8 x noise frames: beyond a segment it is noise no more
+        raise ValueError(f"natural_noise = {cfg.natural_noise:g} is not allowed; allowed: in [0, frames = "
+                         f"{cfg.frames}]")
     # Bytes a frame holds, measured at hidden 64 and 128 (peak resident memory of one step, minus the start-up's):
     # a trained frame (RL rollouts and cloning keep the GRU's activations for the backward) 3.4-4.3 KB at hidden 64,
     # 8.1 KB at 128; an evaluated frame 111 B at hidden 64. 200,000 segments of an RL step were OOM-killed at 24 GiB.

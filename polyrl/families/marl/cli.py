@@ -144,7 +144,7 @@ def report_methods(text: str) -> list[str]:
 def cmd_marl_report(args: argparse.Namespace) -> int:
     """Check every report option before the first run trains (a bad one fails in one line, not after training)."""
     from polyrl.families.marl.report import run_report
-    from polyrl.runs import check_out_dir
+    from polyrl.runs import check_out_dir, run_lock, signals_unwind
 
     check_out_dir(args.out)
     if args.seeds < 1:
@@ -157,8 +157,9 @@ def cmd_marl_report(args: argparse.Namespace) -> int:
         raise ConfigError(f"seed = {given['seed']!r} is not allowed in a report: it trains seeds 0..N-1; set their "
                           "number with --seeds")
     cfg = _build(given)
-    paths = run_report(cfg, seeds=args.seeds, out=Path(args.out), methods=methods, console=console, ci=args.ci,
-                       overwrite=args.overwrite)
+    with signals_unwind(), run_lock(args.out, "out"):  # a second report on --out deleted this one's runs
+        paths = run_report(cfg, seeds=args.seeds, out=Path(args.out), methods=methods, console=console, ci=args.ci,
+                           overwrite=args.overwrite)
     console.print(f"report: {paths['html']}  results: {paths['results']}")
     return 0
 

@@ -40,7 +40,7 @@ from polyrl.objectives.token_advantages import gae_advantages_and_returns
 from polyrl.objectives.trust_regions import clip
 from polyrl.objectives.value import clipped_value_loss
 from polyrl.registry import ADVANTAGES
-from polyrl.runs import check_resume_steps
+from polyrl.runs import check_resume_steps, max_threads
 from polyrl.types import LossInputs, Normalizer
 
 
@@ -102,6 +102,9 @@ def validate_config(cfg: MarlTrainConfig) -> None:
         v = getattr(cfg, name)
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"{name} = {v!r} is not allowed; allowed: an integer >= 1")
+    if cfg.threads > max_threads():
+        raise ValueError(f"threads = {cfg.threads} is not allowed; allowed: an integer in [1, {max_threads()}] "
+                         "(4 per core of this machine)")
     if cfg.checkpoint_every < 0:
         raise ValueError(f"checkpoint_every = {cfg.checkpoint_every} is not allowed; allowed: an integer >= 0")
     try:
