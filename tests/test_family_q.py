@@ -284,6 +284,17 @@ def test_negative_seed_is_refused_before_the_run_dir_is_written(tmp_path, capsys
     assert not run.exists()  # no config.json left behind: a rerun needs no --overwrite
 
 
+def test_a_grid_too_large_for_the_exact_model_is_refused_before_the_run_dir_is_written(tmp_path, capsys):
+    """--size 60 computed its dense model and Q* for minutes before step 1 (2.6 GB); --size 1000 asked for 58 TiB."""
+    from polyrl.families.q.train import MAX_SIZE, validate_config
+
+    validate_config(QTrainConfig(size=MAX_SIZE))
+    run = tmp_path / "run"
+    rc, out = _main(capsys, "q", "train", "--size", str(MAX_SIZE + 1), "--run-dir", str(run))
+    assert rc == 2 and f"size = {MAX_SIZE + 1} is not allowed; allowed: an integer in [2, {MAX_SIZE}]" in out, out
+    assert not run.exists()
+
+
 def test_search_refuses_a_negative_seed_and_an_existing_result(tmp_path, capsys):
     out = tmp_path / "search"
     rc, text = _main(capsys, "q", "search", "--seed", "-1", "--out", str(out))

@@ -121,6 +121,26 @@ def test_cps_with_one_sampler_step_is_refused(tmp_path, capsys):
     check_train_flags([*argv[:-1], "2"])
 
 
+@pytest.mark.parametrize("flags, field", [
+    (["--groups", "100", "--group-size", "60", "--sampler-steps", "10"], "groups x group_size x sampler_steps = 60000"),
+    (["--task", "reach", "--groups", "100", "--group-size", "12", "--sampler-steps", "10"],
+     "groups x group_size x sampler_steps = 60000"),  # 5 actions per episode
+    (["--method", "fpo", "--cfm-samples", "200", "--groups", "30", "--group-size", "10"], "cfm_samples = 200"),
+    (["--eval-samples", "20000", "--sampler-steps", "80"], "eval_samples x sampler_steps = 1600000"),
+])
+def test_sizes_past_the_machines_memory_are_refused_in_one_line(monkeypatch, flags, field):
+    """With 200 MiB of memory: 40,000 action steps train within it (160 MB at 4 KB measured), 60,000 do not; flow
+    had only a cap of 10^6 samples, and 10^6 samples of 10 steps were OOM-killed after minutes."""
+    from polyrl.config import ConfigError
+    from polyrl.families.flow.cli import check_train_flags
+
+    monkeypatch.setattr("polyrl.families.memory_bytes", lambda: 200 * 2**20)
+    check_train_flags(["--groups", "100", "--group-size", "40", "--sampler-steps", "10"])
+    with pytest.raises(ConfigError) as e:
+        check_train_flags(flags)
+    assert field in str(e.value) and "GiB" in str(e.value) and "\n" not in str(e.value)
+
+
 def test_a_damaged_cached_policy_is_trained_again_and_an_unwritable_cache_is_one_line(tmp_path, capsys):
     """A truncated velocity.pt (or flow_meta.json) in the cache stopped every flow command with EOFError /
     JSONDecodeError; POLYRL_CACHE naming a file failed with NotADirectoryError after pretraining."""

@@ -125,7 +125,9 @@ def _train(args: argparse.Namespace, cfg, method, run_dir: str) -> int:
 
 
 def cmd_duplex_report(args: argparse.Namespace) -> int:
+    from polyrl.families.duplex.methods import get_duplex_method
     from polyrl.families.duplex.report import write_duplex_report
+    from polyrl.families.duplex.train import check_method_settings
     from polyrl.runs import check_out_dir, run_lock, signals_unwind
 
     check_out_dir(args.out)
@@ -137,6 +139,10 @@ def cmd_duplex_report(args: argparse.Namespace) -> int:
         raise ConfigError(f"seed = {_given(args)['seed']!r} is not allowed in a report: it trains seeds 0..N-1; "
                           "set their number with --seeds")
     cfg = _train_config(args)
+    try:  # as `duplex train` checks them: GRPO's run reads every setting the imitation baseline's does
+        check_method_settings(get_duplex_method("grpo"), _given(args))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     with signals_unwind(), run_lock(args.out, "out"):  # a second report on --out deleted this one's runs
         res = write_duplex_report(cfg, seeds=args.seeds, out=args.out, level=args.ci, progress=console.print,
                                   overwrite=args.overwrite)

@@ -31,6 +31,7 @@ def _train_config(args: argparse.Namespace):
 def _resolve(args: argparse.Namespace):
     """(settings, method) of `polyrl flow train`, each checked and checked together (one-line refusals)."""
     from polyrl.families.flow.methods import get_flow_method
+    from polyrl.families.flow.train import check_memory
 
     cfg = _train_config(args)
     method = get_flow_method(args.method, advantage=args.advantage, loss=args.loss, schedule=args.schedule,
@@ -40,6 +41,10 @@ def _resolve(args: argparse.Namespace):
         # still learns from the initial noise)
         raise ConfigError(f"sampler_steps = {cfg.sampler_steps} is not allowed with schedule 'cps'; allowed: >= 2 "
                           "(its last step has no noise, so a log-prob loss has nothing to learn from)")
+    try:
+        check_memory(cfg, method)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     return cfg, method
 
 

@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from polyrl.errors import TrainingError
+from polyrl.families import check_fits
 from polyrl.families.flow.losses import FLOW_LOSSES, FlowLossInputs, fpo_cfm_losses, step_kl
 from polyrl.families.flow.methods import FlowMethod
 from polyrl.families.flow.policy import VelocityMLP, pretrain
@@ -80,6 +81,26 @@ def validate_config(cfg: FlowTrainConfig) -> None:
     if not (math.isfinite(cfg.max_grad_norm) and cfg.max_grad_norm >= 0):
         raise ValueError(f"max_grad_norm = {cfg.max_grad_norm!r} is not allowed; allowed: >= 0")
     _check_minibatches(cfg, get_task(cfg.task))
+
+
+# Bytes held at once per unit, measured as peak resident memory above the start-up's (ring_modes and reach, 10^4
+# samples, 10-40 sampler steps, flow_dppo and fpo): a training batch keeps about 4 KB per action and sampler step (the
+# SDE trajectories and the policy's activations for the backward), FPO about 4 KB per action and stored (t, eps)
+# pair, evaluation about 1.3 KB per sample and sampler step. 10^6 samples of 10 steps were OOM-killed at 24 GiB.
+TRAIN_BYTES, CFM_BYTES, EVAL_BYTES = 4096, 4096, 1536
+
+
+def check_memory(cfg: FlowTrainConfig, method: FlowMethod) -> None:
+    """Refuse (ValueError, one line) sizes that would not fit in this machine's memory (``families.check_fits``)."""
+    horizon = getattr(get_task(cfg.task), "horizon", 1)
+    actions = cfg.groups * cfg.group_size * horizon
+    check_fits({
+        f"groups x group_size x sampler_steps = {actions * cfg.sampler_steps} action steps":
+            actions * cfg.sampler_steps * TRAIN_BYTES,
+        f"cfm_samples = {method.cfm_samples} (x {actions} actions)": actions * method.cfm_samples * CFM_BYTES,
+        f"eval_samples x sampler_steps = {cfg.eval_samples * horizon * cfg.sampler_steps} action steps":
+            cfg.eval_samples * horizon * cfg.sampler_steps * EVAL_BYTES,
+    })
 
 
 def _check_minibatches(cfg: FlowTrainConfig, task) -> None:
