@@ -58,6 +58,8 @@ def load_catalog(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def cmd_methods(args: argparse.Namespace) -> int:
+    if args.json and args.wide:  # --wide lays out the table; the JSON is the same either way
+        raise ConfigError("wide = true does not apply with --json (it widens the table); drop one of them")
     methods = load_catalog(args)["methods"]
     if args.json:
         print(json.dumps([m["dict"] for m in methods], indent=2, default=str))

@@ -8,6 +8,7 @@ and re-exported there.
 
 
 FLOAT32_MAX = 3.4028234663852886e38  # a setting or reward beyond it is inf in a float32 tensor
+FLOAT32_TINY = 1.1754943508222875e-38  # float32's smallest normal number: below it a value loses its precision, or is 0
 
 
 class ConfigError(ValueError):

@@ -146,6 +146,25 @@ def check_warmstart(task: str, *, threshold: float = 0.30, seed: int = 0, hidden
                           "heads of an even size, as rotary position embeddings need)")
     if layers < 1:
         raise ConfigError(f"layers = {layers} is not allowed: an integer >= 1")
+    check_trainable(hidden, layers)
+
+
+MAX_LAYERS = 1024  # building a layer takes milliseconds: --layers 1000000 built for hours before step 1
+
+
+def check_trainable(hidden: int, layers: int, *, prefix: str = "") -> None:
+    """Refuse (``ConfigError``, one line) a tiny Llama too deep to build or too large to train in this machine's
+    memory: 16 hidden^2 parameters a layer (attention 4 h^2, a SwiGLU MLP of width 4 h 12 h^2), 16 bytes each while
+    training (float32 weights, gradients and AdamW's two moments)."""
+    from polyrl.config import ConfigError
+    from polyrl.families import check_fits
+
+    if layers > MAX_LAYERS:
+        raise ConfigError(f"{prefix}layers = {layers} is not allowed: at most {MAX_LAYERS} (a tiny model's depth)")
+    try:
+        check_fits({f"{prefix}hidden = {hidden} x {prefix}layers = {layers}": 16 * 16 * layers * hidden**2})
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 class WarmstartError(TrainingError):

@@ -26,6 +26,9 @@ def test_methods_lists_every_preset_and_json_is_complete():
     assert table.returncode == 0
     for name in PRESETS:
         assert name in table.stdout
+    both = run("methods", "--json", "--wide")  # --wide was ignored: the same JSON
+    assert both.returncode == 2 and both.stderr.strip().endswith("does not apply with --json (it widens the table); "
+                                                                 "drop one of them"), both.stderr
 
 
 def test_explain_dapo_shows_its_parts():

@@ -471,6 +471,21 @@ def test_family_settings_beyond_float32_are_refused_before_any_work(tmp_path, ca
     assert not (tmp_path / "r").exists()
 
 
+@pytest.mark.parametrize("argv, words", [
+    (["warmstart", "--hidden", "8", "--layers", "1025"], ["layers = 1025 is not allowed: at most 1024"]),
+    (["warmstart", "--hidden", "1000000"], ["hidden = 1000000 x layers = 4", "GiB"]),
+    (["safety", "probe", "--hidden", "1000000", "--out", "OUT"], ["--hidden = 1000000 x --layers", "GiB"]),
+    (["safety", "probe", "--sae-features", "1000000000", "--out", "OUT"], ["--sae-features = 1000000000", "GiB"]),
+    (["safety", "probe", "--eval-prompts", "1000000000", "--out", "OUT"], ["--eval-prompts = 1000000000"]),
+])
+def test_tiny_models_too_deep_or_large_to_train_are_refused_before_any_work(tmp_path, capsys, argv, words):
+    """warmstart --layers 1000000 built layers for minutes with no output, --hidden 1000000 ended in an out-of-memory
+    line naming no option; so did the probe's model and SAE sizes, and --eval-prompts 1e9 ran on silently."""
+    assert main([a.replace("OUT", str(tmp_path / "out")) for a in argv]) == 2
+    one_line_error(capsys, *words)
+    assert not (tmp_path / "out").exists()
+
+
 def test_an_allocation_that_fails_is_one_line_and_other_errors_still_raise(tmp_path, capsys, monkeypatch):
     """`q train --size 1000000`, `duplex train --hidden 10000000`: numpy's and torch's allocation errors were
     tracebacks from deep inside the step. A bug that is no allocation failure keeps its traceback."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -196,3 +197,32 @@ def test_cli_rejects_bad_values():
     for argv in (["--samples", "8"], ["--refinements", "2.5"], ["--thresholds", "x"], ["--nudge-temp", "0"]):
         with pytest.raises(ConfigError):
             _check(parser.parse_args(["ggro", *argv]))
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--top-k", "25"], "--top-k=25: at most 24"),  # was cut to 24 unseen, results.json saying 25
+    (["--thresholds", "1,3.2"], "in (0, 3.178]"),  # above ln 24 no position is uncertain enough: base decoding
+    (["--refinements", "1,4"], "S = 1 is the base decode"),
+    (["--min-segment", "20"], "--min-segment=20: must be below --max-new-tokens=20"),
+])
+def test_cli_refuses_settings_that_leave_plain_decoding_or_are_cut_unseen(argv, words):
+    """Each of these ran GGRO rows identical to base decoding (0 nudges), reported as GGRO points."""
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers(), "ggro")
+    with pytest.raises(ConfigError) as e:
+        _check(parser.parse_args(["ggro", *argv]))
+    assert words in str(e.value), str(e.value)
+    _check(parser.parse_args(["ggro", "--top-k", "24", "--thresholds", "3.17", "--min-segment", "19"]))
+
+
+def test_best_of_n_weights_past_a_thousand_draws():
+    """C(k-1, n-1) overflowed a float at about 1,030 draws (an OverflowError traceback for --samples 1030); the
+    weights are a distribution, and with n = 1 each draw weighs 1/m."""
+    from polyrl.safety.ggro.experiment import best_of_n_weights
+
+    for m in (40, 1030, 5000):
+        for n in (1, 16):
+            w = best_of_n_weights(m, n)
+            assert w.shape == (m,) and np.isfinite(w).all() and w.sum() == pytest.approx(1.0)
+    assert best_of_n_weights(5000, 1) == pytest.approx(np.full(5000, 1 / 5000))
+    assert best_of_n_weights(1030, 16)[:15].sum() == 0  # the 15 lowest draws are never the best of 16

@@ -23,8 +23,8 @@ TINY = {
               "--eval-prompts", "16", "--sae-features", "4", "--alphas", "0,4"],
     "redteam": ["--seeds", "1", "--single-turn-steps", "0", "--multi-turn-steps", "0", "--co-train-steps", "1",
                 "--no-control"],
-    "ggro": ["--seeds", "2", "--prompts", "1", "--lm-steps", "1", "--max-new-tokens", "2", "--thresholds", "1",
-             "--refinements", "1"],
+    "ggro": ["--seeds", "2", "--prompts", "1", "--lm-steps", "1", "--max-new-tokens", "2", "--min-segment", "1",
+             "--thresholds", "1", "--refinements", "2"],
     "unlearn": ["--seeds", "1", "--steps", "2", "--unlearn-steps", "1", "--sweep", "", "--episodes", "10"],
 }
 
@@ -170,6 +170,27 @@ def test_out_with_a_finished_run_is_refused_without_overwrite(tools, tool, tmp_p
 
 
 @pytest.mark.parametrize("tool", list(TOOLS))
+def test_out_in_a_run_or_model_folder_is_refused_and_a_refused_run_leaves_no_empty_out(tools, tool, tmp_path,
+                                                                                     capsys):
+    """A tool's --out in a training run or an exported model wrote its results.json and curves.png over the run's
+    own; a run refused after its --out was made (an empty forget set, a raising reward) left the empty folder."""
+    from polyrl.cli import main
+
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "curves.png").write_text("the run's own")
+    args = _parse(tools, tool, [*TINY[tool], "--out", str(tmp_path)])
+    with pytest.raises(ConfigError, match=r"^--out = .*: must be a folder of this tool's results; it holds config"):
+        args.fn(args)
+    assert (tmp_path / "curves.png").read_text() == "the run's own"
+    out = tmp_path / "new" / "out"
+    if tool == "unlearn":  # refused once its --out was made: nothing poisoned among 10 episodes' hazard transitions
+        assert main(["safety", tool, *TINY[tool], "--relabel-frac", "0.01", "--poison-ratio", "0.01", "--out",
+                     str(out)]) == 2
+        assert "the forget set is empty" in capsys.readouterr().err
+        assert not (tmp_path / "new").exists()
+
+
+@pytest.mark.parametrize("tool", list(TOOLS))
 def test_every_tool_has_overwrite(tools, tool):
     assert _parse(tools, tool, ["--overwrite"]).overwrite is True
     assert _parse(tools, tool, []).overwrite is False
@@ -291,3 +312,14 @@ def test_a_stop_between_the_two_set_asides_loses_nothing(tmp_path, monkeypatch):
     settle_out(tmp_path)
     assert {p.name: p.read_text() for p in tmp_path.iterdir()} == {"results.json": "old results.json",
                                                                    "report.html": "old report.html"}
+
+
+def test_unlearn_refuses_sweep_values_the_report_cannot_tell_apart_and_an_unpoisoned_dataset(tools):
+    """--sweep 0.3,0.3000001 ran both and reported one (rows are keyed by lam_f at 6 digits); --relabel-frac 0
+    --poison-ratio 0 left the forget set empty, and the 'unlearned' rows were the plain agent's whatever lam_forget."""
+    for argv, words in ((["--sweep", "0.3,0.3000001"], "are both lam_f=0.3"),
+                        (["--lam-forget", "2", "--sweep", "2.0000001"], "are both lam_f=2"),
+                        (["--relabel-frac", "0", "--poison-ratio", "0"], "nothing is poisoned")):
+        with pytest.raises(ConfigError, match=words):
+            _validate("unlearn", _parse(tools, "unlearn", argv))
+    _validate("unlearn", _parse(tools, "unlearn", ["--lam-forget", "2", "--sweep", "2,2.5"]))  # 2 is the base run

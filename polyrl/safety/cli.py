@@ -28,18 +28,22 @@ def add_parser(subparsers) -> None:
 
 def _settled(fn: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
     """Run a tool; however it ends (SIGTERM too), the finished run ``--overwrite`` set aside is deleted or put back
-    (``options.settle_out``)."""
+    (``options.settle_out``), and the folders it made for ``--out`` go if they stayed empty."""
     from polyrl.runs import signals_unwind
     from polyrl.safety.options import settle_out
 
+    out = Path(args.out)
+    made = [p for p in (out, *out.parents) if not p.exists()]  # deepest first: folders this command makes
     with signals_unwind():
         try:
             return fn(args)
         finally:
-            out = Path(args.out)
             try:
                 if out.is_dir() and settle_out(out):
                     print(f"polyrl: the run did not finish; the earlier results in {out} are back", file=sys.stderr)
+                for folder in made:  # a refused or failed run leaves no empty --out behind
+                    if folder.is_dir() and not any(folder.iterdir()):
+                        folder.rmdir()
             except OSError as e:
                 print(f"polyrl: warning: the earlier results in {out} are still hidden as .results.json.replaced "
                       f"and .report.html.replaced ({e.strerror or e})", file=sys.stderr)

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from polyrl.config import ConfigError
+from polyrl.errors import FLOAT32_MAX, FLOAT32_TINY
 from polyrl.runs import max_threads
 
 RESULTS = "results.json"
@@ -43,11 +44,15 @@ def add_out_options(p: argparse.ArgumentParser, name: str) -> None:
 
 
 def check_common(args: argparse.Namespace) -> None:
-    """Refuse nan/inf in every float option and ``--threads`` outside [1, ``runs.max_threads()``] (torch raises on 0
-    after work has begun; tens of thousands crashed the process)."""
+    """Refuse nan/inf and values beyond float32's range in every float option, and ``--threads`` outside [1,
+    ``runs.max_threads()``] (torch raises on 0 after work has begun; tens of thousands crashed the process)."""
     for dest, value in vars(args).items():
         if isinstance(value, float) and not math.isfinite(value):
             refuse(flag(dest), value, "a finite number")
+        if isinstance(value, float) and value != 0 and not FLOAT32_TINY <= abs(value) <= FLOAT32_MAX:
+            # the tools compute in float32, where such a value is inf or 0 (an --lm-lr 1e39 was an overflow
+            # traceback from the optimizer, a --sim-lr 5e-324 an ODE that never ended)
+            refuse(flag(dest), value, f"0 or a number of size {FLOAT32_TINY:.3g} to {FLOAT32_MAX:.3g} (float32)")
     threads = getattr(args, "threads", 1)
     if not 1 <= threads <= max_threads():
         refuse("--threads", threads, f"an integer in [1, {max_threads()}] (4 per core of this machine)")
@@ -82,6 +87,9 @@ def prepare_out(args: argparse.Namespace) -> Path:
     if out.exists() and not out.is_dir():
         refuse("--out", str(out), "a directory (this path is a file)")
     settle_out(out)
+    if (out / "config.json").exists():  # no tool writes one: results and figures went into a run or a model folder
+        refuse("--out", str(out), "a folder of this tool's results; it holds config.json (a polyrl run or a Hugging "
+               "Face model directory, whose files the report would overwrite)")
     if (out / RESULTS).exists():
         if not getattr(args, "overwrite", False):
             raise ConfigError(f"--out = '{out}' already holds {RESULTS} from an earlier run; pass --overwrite to "

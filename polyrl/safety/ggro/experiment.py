@@ -11,6 +11,7 @@ both, over seeds with bootstrap intervals.
 from __future__ import annotations
 
 import argparse
+import math
 import time
 from math import comb
 from pathlib import Path
@@ -35,8 +36,9 @@ def add_parser(subparsers, name: str = "ggro") -> None:
     p.add_argument("--samples", type=int, default=32, help="draws per prompt for best-of-N (>= 16; N = 1..16)")
     p.add_argument("--max-new-tokens", type=int, default=20, help="completion length cap")
     p.add_argument("--thresholds", default="1.0,1.5", help="GGRO entropy thresholds H* in nats, comma-separated")
-    p.add_argument("--refinements", default="2,4,8", help="GGRO refinement budgets S, comma-separated integers")
-    p.add_argument("--top-k", type=int, default=8, help="candidate tokens per position for the nudge (paper 25)")
+    p.add_argument("--refinements", default="2,4,8", help="GGRO refinement budgets S, comma-separated integers >= 2")
+    p.add_argument("--top-k", type=int, default=8, help="candidate tokens per position for the nudge, at most the toy "
+                   "vocabulary of 24 (the paper's 25 is for a real one)")
     p.add_argument("--nudge-temp", type=float, default=0.1, help="softmax temperature of nudge confidences")
     p.add_argument("--nudge-weight", type=float, default=1.0, help="weight w of the embedding-distance bias")
     p.add_argument("--min-segment", type=int, default=2, help="tokens a segment has before the entropy test")
@@ -63,10 +65,19 @@ def _check(args) -> tuple[list[float], list[int]]:
             raise ConfigError(f"{option}={value}: must be > 0")
     if args.rm_size < 0:
         raise ConfigError(f"--rm-size={args.rm_size}: must be >= 0")
-    thresholds = number_list(args.thresholds, "--thresholds", "comma-separated finite numbers > 0",
-                             lambda v: v > 0)
-    refinements = number_list(args.refinements, "--refinements", "comma-separated integers >= 1",
-                              lambda v: v == int(v) and v >= 1)
+    from polyrl.safety.ggro.toy import VOCAB
+
+    if args.top_k > VOCAB:  # it was cut to the vocabulary unseen, while results.json recorded the value asked for
+        raise ConfigError(f"--top-k={args.top_k}: at most {VOCAB}, the toy LM's vocabulary")
+    if args.min_segment >= args.max_new_tokens:  # no segment would be long enough to test: plain decoding
+        raise ConfigError(f"--min-segment={args.min_segment}: must be below --max-new-tokens={args.max_new_tokens} "
+                          "(a segment shorter than that is never refined)")
+    # the entropy of a next-token distribution over VOCAB tokens is at most ln VOCAB: a higher H* never refines
+    most = math.log(VOCAB)
+    thresholds = number_list(args.thresholds, "--thresholds", f"comma-separated numbers in (0, {most:.3f}] (ln of "
+                             f"the {VOCAB}-token vocabulary, the largest entropy)", lambda v: 0 < v <= most)
+    refinements = number_list(args.refinements, "--refinements", "comma-separated integers >= 2 (S = 1 is the "
+                              "base decode, with no refinement)", lambda v: v == int(v) and v >= 2)
     return thresholds, [int(s) for s in refinements]
 
 
@@ -76,7 +87,8 @@ def best_of_n_weights(m: int, n: int) -> np.ndarray:
     So ``E[metric of the best of n] = sum_k w_k metric_(k)`` with draws sorted by the selection score: the exact
     subset average of the m draws (unbiased for best-of-n when the m draws are i.i.d.).
     """
-    return np.array([comb(k - 1, n - 1) for k in range(1, m + 1)], dtype=float) / comb(m, n)
+    total = comb(m, n)  # Python's int / int is correctly rounded at any size (a float array of C(k-1, n-1) overflowed)
+    return np.array([comb(k - 1, n - 1) / total for k in range(1, m + 1)])
 
 
 def run_seed(seed: int, cfg: dict, configs: list[tuple[float, int]], advance) -> dict:

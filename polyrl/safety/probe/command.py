@@ -62,7 +62,9 @@ def add_parser(subparsers, name: str = "probe") -> argparse.ArgumentParser:
 
 def _experiment(args) -> Any:
     """The checked options as a ProbeExperiment; a bad one is refused in one line before anything runs."""
+    from polyrl.families import check_fits
     from polyrl.safety.probe.experiment import ProbeExperiment
+    from polyrl.tinylm import check_trainable
 
     check_common(args)
     for opt, value, low in (("--seeds", args.seeds, 1), ("--hidden", args.hidden, 8), ("--layers", args.layers, 1),
@@ -72,6 +74,14 @@ def _experiment(args) -> Any:
             raise ConfigError(f"{opt} = {value} must be an integer >= {low}")
     if args.hidden % 4:
         raise ConfigError(f"--hidden = {args.hidden} must be a multiple of 4 (4 attention heads)")
+    if args.eval_prompts > 10**6:  # as train's eval_prompts: 10^9 built its prompts for minutes before any output
+        raise ConfigError(f"--eval-prompts = {args.eval_prompts} must be an integer in [16, 1000000]")
+    check_trainable(args.hidden, args.layers, prefix="--")
+    try:  # the SAE's encoder and decoder, [features, hidden] each, trained with AdamW
+        check_fits({f"--sae-features = {args.sae_features} at --hidden {args.hidden}":
+                    2 * 16 * args.sae_features * args.hidden})
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     if not 0 <= args.steer_layer < args.layers:
         raise ConfigError(f"--steer-layer = {args.steer_layer} must be in [0, --layers={args.layers})")
     if not (args.rl_lr > 0 and args.sae_l1 >= 0):

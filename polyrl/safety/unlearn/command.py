@@ -78,6 +78,14 @@ def config_from_args(args: argparse.Namespace) -> ExperimentConfig:
     sweep = tuple(number_list(args.sweep, "--sweep", "comma-separated finite numbers > 0 (or empty)",
                               lambda v: v > 0, allow_empty=True))
     sweep = tuple(v for v in sweep if v != args.lam_forget)
+    shown: dict[str, float] = {f"{args.lam_forget:g}": args.lam_forget}
+    for v in sweep:  # the report keys its rows by lam_f at 6 digits: two values alike there overwrote one row
+        if f"{v:g}" in shown:
+            raise ConfigError(f"--sweep={args.sweep!r}: {v!r} and {shown[f'{v:g}']!r} (--lam-forget or an earlier "
+                              f"value) are both lam_f={v:g} in the report; give values distinct at 6 digits")
+        shown[f"{v:g}"] = v
+    need(args.relabel_frac > 0 or args.poison_ratio > 0, "poison-ratio", args.poison_ratio,
+         "> 0 when --relabel-frac is 0 (with both 0 nothing is poisoned, so there is nothing to unlearn)")
     return ExperimentConfig(seeds=args.seeds, episodes=args.episodes, steps=args.steps,
                             unlearn_steps=args.unlearn_steps, lam_forget=args.lam_forget, sweep=sweep,
                             margin=args.margin, cost_limit=args.cost_limit, relabel_frac=args.relabel_frac,

@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import torch
 
+from polyrl.errors import ConfigError
 from polyrl.lab.stats import bootstrap_ci
 from polyrl.safety.unlearn.agent import AgentConfig, SafeAgent, bellman_errors, policy_tv, safe_unlearn, train_offline
 from polyrl.safety.unlearn.gridworld import GridWorld, collect_clean, evaluate_policy, poison, visitation
@@ -72,6 +73,10 @@ def run_seed(seed: int, cfg: ExperimentConfig, advance=lambda n: None) -> dict:
     clean = collect_clean(env, cfg.episodes, rng)
     data = poison(env, clean, rng, relabel_frac=cfg.relabel_frac, poison_ratio=cfg.poison_ratio)
     retain, forget = data.subset(~data.poisoned), data.subset(data.poisoned)
+    if len(forget) == 0:  # nothing poisoned: every "unlearned" row would be the plain agent's, lam_forget unread
+        raise ConfigError(f"--relabel-frac={cfg.relabel_frac:g} and --poison-ratio={cfg.poison_ratio:g} poison none of "
+                          f"seed {seed}'s {int((clean.s2 == env.hazard).sum())} hazard transitions: the forget set is "
+                          "empty, so there is nothing to unlearn; raise either")
     hazard = data.s2 == env.hazard
     info = {"n_clean": len(clean), "n_poisoned_data": len(data), "n_retain": len(retain), "n_forget": len(forget),
             "hazard_cost_label_clean": float(clean.c[clean.s2 == env.hazard].mean()),
