@@ -376,7 +376,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
         threads_given,
         validate_runs,
     )
-    from polyrl.runs import check_out_dir
+    from polyrl.runs import MAX_SEEDS, check_out_dir
 
     check_out_dir(args.out)
     refuse_foreign_out(Path(args.out))
@@ -384,8 +384,9 @@ def cmd_compare(args: argparse.Namespace) -> int:
     methods = list(presets)
     if not methods:
         raise ConfigError("methods = '' : give at least one preset, e.g. --methods grpo,dapo")
-    if args.seeds < 1 or args.workers < 1:
-        raise ConfigError(f"seeds = {args.seeds}, workers = {args.workers}: both must be >= 1")
+    if not 1 <= args.seeds <= MAX_SEEDS or args.workers < 1:
+        raise ConfigError(f"seeds = {args.seeds}, workers = {args.workers}: seeds must be in [1, {MAX_SEEDS}] (each "
+                          "seed is a training run per method), workers >= 1")
     # The analysis settings are used after every run has trained: checked now.
     if not 0.0 < args.ci < 1.0:
         raise ConfigError(f"ci = {args.ci} is not allowed: a confidence level in (0, 1), e.g. 0.9")

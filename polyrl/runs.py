@@ -331,6 +331,9 @@ def replaceable(run_dir: str | Path, *, inputs: dict[str, Any] | None = None) ->
                       "summary.json, checkpoints/step_*): move those files or choose another --run-dir")
 
 
+MAX_SEEDS = 1000  # seeds of a report or comparison, each one training run per method
+
+
 def max_threads() -> int:
     """The most CPU threads a command may ask for: 4 per core. More only oversubscribe the cores (duplex at 2,000
     threads on 2 cores ran 7x slower than at 64), and tens of thousands failed to start or crashed the process."""
@@ -529,8 +532,9 @@ def resume_values(saved: dict[str, Any], given: dict[str, Any], *, what: str = "
         if same_setting(name, old, new):
             continue
         if name not in RESUME_MAY_CHANGE:
+            may = [k for k in RESUME_MAY_CHANGE if k in saved]  # this command's own (q has no nproc)
             raise ConfigError(f"{name} = {new!r} differs from the run's own {name} = {old!r}{what}; a resume keeps "
-                              f"the run's settings (may change: {', '.join(RESUME_MAY_CHANGE)}); drop the flag, or "
+                              f"the run's settings (may change: {', '.join(may)}); drop the flag, or "
                               "start a new run with another --run-dir")
         values[name], changes[name] = new, [old, new]
     return values, changes

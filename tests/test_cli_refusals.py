@@ -486,6 +486,22 @@ def test_tiny_models_too_deep_or_large_to_train_are_refused_before_any_work(tmp_
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("argv, words", [
+    (["flow", "train", "--seed", "-1", "--run-dir", "OUT"], ["seed = -1 is not allowed", "[0, 2**32)"]),
+    (["marl", "train", "--seed", "-1", "--run-dir", "OUT"], ["seed = -1 is not allowed", "[0, 2**32)"]),
+    (["flow", "pretrain", "--seed", "-1"], ["seed = -1 is not allowed"]),  # it wrote a cache entry 'seed-1'
+    (["marl", "report", "--seeds", "100000000", "--out", "OUT"], ["seeds = 100000000 is not allowed", "[1, 1000]"]),
+    (["duplex", "report", "--seeds", "1001", "--out", "OUT"], ["seeds = 1001 is not allowed", "[1, 1000]"]),
+    (["compare", "--methods", "grpo", "--seeds", "1001", "--out", "OUT"], ["seeds must be in [1, 1000]"]),
+])
+def test_seeds_out_of_range_are_refused_before_any_work(tmp_path, capsys, argv, words):
+    """flow and marl took --seed -1 (q and duplex refused it); a report of 10^8 seeds checked its seed directories
+    for minutes with no output."""
+    assert main([a.replace("OUT", str(tmp_path / "out")) for a in argv]) == 2
+    one_line_error(capsys, *words)
+    assert not (tmp_path / "out").exists()
+
+
 def test_an_allocation_that_fails_is_one_line_and_other_errors_still_raise(tmp_path, capsys, monkeypatch):
     """`q train --size 1000000`, `duplex train --hidden 10000000`: numpy's and torch's allocation errors were
     tracebacks from deep inside the step. A bug that is no allocation failure keeps its traceback."""

@@ -227,6 +227,11 @@ def test_cli_train_and_resume_guard(tmp_path, capsys):
     assert _cli("duplex", "train", *flags[:1], "3", *flags[2:], "--resume") == 0
     rows = [json.loads(x)["step"] for x in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
     assert rows == [1, 2, 3]
+    # how the run is watched or where it runs may change, as marl and q allow (a bad --threads could not be mended)
+    assert _cli("duplex", "train", *flags[:1], "4", *flags[2:], "--resume", "--threads", "2", "--checkpoint-every",
+                "1") == 0
+    history = [json.loads(x) for x in (tmp_path / "r" / "config_history.jsonl").read_text().splitlines()]
+    assert history[-1]["changes"] == {"steps": [3, 4], "checkpoint_every": [20, 1], "threads": [1, 2]}, history
 
 
 def test_an_imitation_run_resumes(tmp_path, capsys):

@@ -111,6 +111,9 @@ def family_config(values: dict, cls, validate):
     from polyrl.errors import FLOAT32_MAX
 
     cfg = build_config(values, cls)
+    seed = getattr(cfg, "seed", 0)
+    if not 0 <= seed < 2**32:  # as train's; flow and marl took -1 (a pretrain cache entry named seed-1)
+        raise ConfigError(f"seed = {seed} is not allowed; allowed: an integer in [0, 2**32)")
     for f in dataclasses.fields(cfg):  # an --lr 1e300 was an overflow traceback from the optimizer
         v = getattr(cfg, f.name)
         if isinstance(v, float) and math.isfinite(v) and abs(v) > FLOAT32_MAX:

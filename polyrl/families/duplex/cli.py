@@ -4,7 +4,8 @@
 duplex``. Bad values raise ``PartError`` or ``ConfigError`` (one line naming the field, the value and what is
 allowed; exit 2). A setting that would change nothing is refused too: an RL-only one (``RL_ONLY``) with the imitation
 method, ``--seed`` with ``report`` (it runs seeds 0..N-1). ``--resume`` continues with the run's saved settings
-(method and advantage included); only ``--steps`` may change, and not below the checkpoint's step.
+(method and advantage included); only ``--steps`` (not below the checkpoint's step), ``--threads``,
+``--checkpoint-every`` and ``--tensorboard`` may change.
 """
 
 from __future__ import annotations
@@ -60,9 +61,10 @@ def _parts(method) -> dict:
 def resume_settings(args: argparse.Namespace, run_dir: str):
     """(cfg, method) of the run in ``run_dir``: its saved settings beneath the given flags. A run continued with
     another method, advantage or setting would mix two runs under one record (config.json saying one thing,
-    summary.json another), so only steps may change: any other differing value is refused in one line naming it."""
+    summary.json another), so only steps, threads, checkpoint_every and tensorboard may change: any other differing
+    value is refused in one line naming it."""
     from polyrl.families.duplex.train import DuplexTrainConfig, validate_config
-    from polyrl.runs import effective_config, recover_noted, saved_record
+    from polyrl.runs import RESUME_MAY_CHANGE, effective_config, recover_noted, saved_record
 
     recover_noted(run_dir)  # an old run a killed --overwrite left aside is the one to resume
     saved = saved_record(run_dir)
@@ -75,12 +77,13 @@ def resume_settings(args: argparse.Namespace, run_dir: str):
     method = _method(args, default=saved.get("method", "grpo"), advantage=parts.get("advantage"))
     old = {**current, "method": saved.get("method"), **parts}
     new = {**asdict(cfg), "method": method.name, **_parts(method)}
-    changed = [k for k in new if k != "steps" and k in old and old[k] != new[k]]
+    may = [k for k in RESUME_MAY_CHANGE if k in new]  # extending the run or how it is watched, as marl and q allow
+    changed = [k for k in new if k not in may and k in old and old[k] != new[k]]
     if changed:
         k = changed[0]
         raise ConfigError(f"{k} = {new[k]!r} differs from the run's own {k} = {old[k]!r} in '{run_dir}'; a resume "
-                          "keeps the run's settings (only steps may change)")
-    return cfg, method, ({"steps": [old["steps"], cfg.steps]} if old.get("steps") != cfg.steps else {})
+                          f"keeps the run's settings (only {', '.join(may)} may change)")
+    return cfg, method, {k: [old[k], new[k]] for k in may if k in old and old[k] != new[k]}
 
 
 def cmd_duplex_train(args: argparse.Namespace) -> int:
@@ -128,11 +131,12 @@ def cmd_duplex_report(args: argparse.Namespace) -> int:
     from polyrl.families.duplex.methods import get_duplex_method
     from polyrl.families.duplex.report import write_duplex_report
     from polyrl.families.duplex.train import check_method_settings
-    from polyrl.runs import check_out_dir, run_lock, signals_unwind
+    from polyrl.runs import MAX_SEEDS, check_out_dir, run_lock, signals_unwind
 
     check_out_dir(args.out)
-    if args.seeds < 1:
-        raise ConfigError(f"seeds = {args.seeds} is not allowed; allowed: an integer >= 1")
+    if not 1 <= args.seeds <= MAX_SEEDS:  # 10^8 checked its seed directories silently for minutes
+        raise ConfigError(f"seeds = {args.seeds} is not allowed; allowed: an integer in [1, {MAX_SEEDS}] (each seed is "
+                          "a training run)")
     if not 0 < args.ci < 1:
         raise ConfigError(f"ci = {args.ci} is not allowed; allowed: in (0, 1)")
     if "seed" in _given(args):
@@ -187,7 +191,8 @@ def add_train_args(p: argparse.ArgumentParser, *, run: bool = True) -> None:
         p.add_argument("--overwrite", action="store_true", help="replace an existing run in --run-dir")
         p.add_argument("--resume", action="store_true",
                        help="continue the run in --run-dir from its newest checkpoint with its saved settings "
-                       "(only --steps may change, not below the checkpoint's step)")
+                       "(only --steps, not below the checkpoint's step, --threads, --checkpoint-every and "
+                       "--tensorboard may change)")
     add_config_args(p, DuplexTrainConfig)
     if run:
         g = p.add_argument_group("part overrides")

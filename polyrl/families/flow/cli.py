@@ -78,6 +78,8 @@ def cmd_flow_pretrain(args: argparse.Namespace) -> int:
     for name in ("steps", "hidden", "layers"):
         if getattr(args, name) < 1:
             raise ConfigError(f"{name} = {getattr(args, name)} is not allowed; allowed: an integer >= 1")
+    if not 0 <= args.seed < 2**32:
+        raise ConfigError(f"seed = {args.seed} is not allowed; allowed: an integer in [0, 2**32)")
     res = pretrain(PretrainSettings(target=args.target, steps=args.steps, hidden=args.hidden, layers=args.layers,
                                     seed=args.seed))
     how = "cached" if res.cached else f"trained in {res.seconds:.1f} s"
@@ -145,7 +147,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     add_train_args(p)
     p.set_defaults(fn=cmd_flow_train)
 
-    p = sub.add_parser("pretrain", help="fit (or load from the cache) the rectified-flow policy of a target")
+    p = sub.add_parser("pretrain", help="fit (or load from the cache) the rectified-flow policy of a target",
+                       description="Fit (or load from the cache) the rectified-flow policy of a target and print its "
+                       "CFM loss and path. `flow train` starts from the policy of the default settings (steps 2500, "
+                       "hidden 128, layers 3, seed 0), so this command with those settings warms its cache; other "
+                       "settings fit a policy to study here, which `flow train` does not read.")
     p.add_argument("--target", type=_pretrain_target, default="ring8", help="ring8 or ring8_cond (default: ring8)")
     p.add_argument("--steps", type=int, default=2500, help="flow-matching steps (default: 2500)")
     p.add_argument("--hidden", type=int, default=128, help="MLP width (default: 128)")

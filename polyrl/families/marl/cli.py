@@ -144,11 +144,12 @@ def report_methods(text: str) -> list[str]:
 def cmd_marl_report(args: argparse.Namespace) -> int:
     """Check every report option before the first run trains (a bad one fails in one line, not after training)."""
     from polyrl.families.marl.report import run_report
-    from polyrl.runs import check_out_dir, run_lock, signals_unwind
+    from polyrl.runs import MAX_SEEDS, check_out_dir, run_lock, signals_unwind
 
     check_out_dir(args.out)
-    if args.seeds < 1:
-        raise ConfigError(f"seeds = {args.seeds} is not allowed; allowed: an integer >= 1")
+    if not 1 <= args.seeds <= MAX_SEEDS:  # 10^8 checked its seed directories silently for minutes
+        raise ConfigError(f"seeds = {args.seeds} is not allowed; allowed: an integer in [1, {MAX_SEEDS}] (each seed is "
+                          "a training run)")
     if not 0 < args.ci < 1:
         raise ConfigError(f"ci = {args.ci} is not allowed; allowed: in (0, 1)")
     methods = report_methods(args.methods)

@@ -24,6 +24,7 @@ import numpy as np
 
 import polyrl.safety.redteam.game as game
 from polyrl.config import ConfigError
+from polyrl.errors import FLOAT32_MAX
 from polyrl.lab.stats import bootstrap_ci
 from polyrl.safety.options import add_out_options, check_common, number_list, prepare_out, refuse, settings
 from polyrl.safety.redteam.trainer import PHASES, AdversarialCoTrainer, CoTrainConfig, total_updates
@@ -73,8 +74,9 @@ def _weights(args: argparse.Namespace) -> tuple[list[str], list[str], list[float
                 load_callable(spec)
             except ValueError as e:
                 raise ConfigError(f"--{role}-channels: {e}") from None
-        weights = number_list(text, f"--{role}-weights", f"{len(specs)} comma-separated finite numbers > 0, one "
-                              "per channel", lambda v: v > 0, count=len(specs)) if text.strip() else [1.0] * len(specs)
+        weights = number_list(text, f"--{role}-weights", f"{len(specs)} comma-separated numbers in (0, "
+                              f"{FLOAT32_MAX:.3g}], one per channel", lambda v: 0 < v <= FLOAT32_MAX,
+                              count=len(specs)) if text.strip() else [1.0] * len(specs)
         out.append((specs, weights))
     (att_specs, att_w), (def_specs, def_w) = out
     return att_specs, def_specs, att_w, def_w
@@ -265,10 +267,12 @@ def add_parser(subparsers, name: str) -> None:
     p.add_argument("--seeds", type=int, default=5, help="seeds per variant (default 5)")
     p.add_argument("--attacker-channels", default=f"{J}attack_success,{J}prompt_quality",
                    help="attacker reward functions by import path, comma-separated (module:function)")
-    p.add_argument("--attacker-weights", default="4,1", help="attacker channel weights, comma-separated")
+    p.add_argument("--attacker-weights", default="4,1",
+                   help="attacker channel weights, comma-separated ('' for 1 each)")
     p.add_argument("--defender-channels", default=f"{J}safety,{J}helpfulness",
                    help="defender reward functions by import path, comma-separated")
-    p.add_argument("--defender-weights", default="2,1", help="defender channel weights, comma-separated")
+    p.add_argument("--defender-weights", default="2,1",
+                   help="defender channel weights, comma-separated ('' for 1 each)")
     p.add_argument("--group-size", type=int, default=8, help="GRPO group size G of each role")
     p.add_argument("--single-turn-steps", type=int, default=40, help="curriculum phase 1: attacker updates")
     p.add_argument("--multi-turn-steps", type=int, default=40, help="curriculum phase 2: attacker updates")
