@@ -331,6 +331,29 @@ def replaceable(run_dir: str | Path, *, inputs: dict[str, Any] | None = None) ->
                       "summary.json, checkpoints/step_*): move those files or choose another --run-dir")
 
 
+def memory_bytes() -> int:
+    """The memory this process may use: the machine's physical memory, or its cgroup's limit when lower."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+    except OSError:
+        return total
+    return min(total, int(limit)) if limit.isdigit() else total
+
+
+def check_fits(needs: dict[str, float]) -> None:
+    """Refuse (ValueError, one line) sizes whose work would hold more memory at once than this machine has, where
+    the kernel's OOM killer would end the process with no message. ``needs`` maps what the refusal names (the
+    settings and their values, e.g. ``'groups x group_size = 200000 segments'``) to the bytes it would hold, an
+    estimate from bytes per unit measured on the family's own loop (a family's constants say where they come from).
+    """
+    have = memory_bytes()
+    for what, need in needs.items():
+        if need > have:
+            raise ValueError(f"{what} is not allowed here: it would hold about {need / 2**30:,.1f} GiB at once (an "
+                             f"estimate), more than the {have / 2**30:,.1f} GiB of memory of this machine; lower it")
+
+
 MAX_SEEDS = 1000  # seeds of a report or comparison, each one training run per method
 
 

@@ -157,7 +157,7 @@ def check_trainable(hidden: int, layers: int, *, prefix: str = "") -> None:
     memory: 16 hidden^2 parameters a layer (attention 4 h^2, a SwiGLU MLP of width 4 h 12 h^2), 16 bytes each while
     training (float32 weights, gradients and AdamW's two moments)."""
     from polyrl.config import ConfigError
-    from polyrl.families import check_fits
+    from polyrl.runs import check_fits
 
     if layers > MAX_LAYERS:
         raise ConfigError(f"{prefix}layers = {layers} is not allowed: at most {MAX_LAYERS} (a tiny model's depth)")

@@ -192,7 +192,7 @@ def test_sizes_past_the_machines_memory_are_refused_in_one_line(monkeypatch, fla
     """With 2 GiB of memory: 8,000 segments of 48 frames train within it (1.9 GiB measured), twice that does not."""
     from polyrl.families.duplex.cli import check_train_flags
 
-    monkeypatch.setattr("polyrl.families.memory_bytes", lambda: 2 * 2**30)
+    monkeypatch.setattr("polyrl.runs.memory_bytes", lambda: 2 * 2**30)
     check_train_flags(["--groups", "1000"])  # the largest RL batch of these that fits
     with pytest.raises(ConfigError) as e:
         check_train_flags(flags)

@@ -191,7 +191,7 @@ def test_bad_settings_one_line_errors(flags, field):
 def test_sizes_past_the_machines_memory_are_refused_in_one_line(monkeypatch, flags, field):
     """With 2 GiB of memory: 1,000 episodes of 30 steps train within it (1.2 GiB measured), four times that does
     not."""
-    monkeypatch.setattr("polyrl.families.memory_bytes", lambda: 2 * 2**30)
+    monkeypatch.setattr("polyrl.runs.memory_bytes", lambda: 2 * 2**30)
     check_train_flags(["--envs", "1000"])
     with pytest.raises(ConfigError) as e:
         check_train_flags(flags)

@@ -134,7 +134,7 @@ def test_sizes_past_the_machines_memory_are_refused_in_one_line(monkeypatch, fla
     from polyrl.config import ConfigError
     from polyrl.families.flow.cli import check_train_flags
 
-    monkeypatch.setattr("polyrl.families.memory_bytes", lambda: 200 * 2**20)
+    monkeypatch.setattr("polyrl.runs.memory_bytes", lambda: 200 * 2**20)
     check_train_flags(["--groups", "100", "--group-size", "40", "--sampler-steps", "10"])
     with pytest.raises(ConfigError) as e:
         check_train_flags(flags)

@@ -75,32 +75,6 @@ def flag_values(args, cls) -> dict:
     return values
 
 
-def memory_bytes() -> int:
-    """The memory this process may use: the machine's physical memory, or its cgroup's limit when lower."""
-    import os
-    from pathlib import Path
-
-    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    try:
-        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
-    except OSError:
-        return total
-    return min(total, int(limit)) if limit.isdigit() else total
-
-
-def check_fits(needs: dict[str, float]) -> None:
-    """Refuse (ValueError, one line) sizes whose work would hold more memory at once than this machine has, where
-    the kernel's OOM killer would end the process with no message. ``needs`` maps what the refusal names (the
-    settings and their values, e.g. ``'groups x group_size = 200000 segments'``) to the bytes it would hold, an
-    estimate from bytes per unit measured on the family's own loop (a family's constants say where they come from).
-    """
-    have = memory_bytes()
-    for what, need in needs.items():
-        if need > have:
-            raise ValueError(f"{what} is not allowed here: it would hold about {need / 2**30:,.1f} GiB at once (an "
-                             f"estimate), more than the {have / 2**30:,.1f} GiB of memory of this machine; lower it")
-
-
 def family_config(values: dict, cls, validate):
     """``cls`` built from flat ``values`` (typed by ``polyrl.config.build_config``) and checked by ``validate``; a
     ValueError becomes a one-line ConfigError, as does a float setting beyond float32's range."""

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from polyrl.errors import TrainingError
-from polyrl.families import check_fits, diverged
+from polyrl.families import diverged
 from polyrl.families.duplex.methods import DuplexMethod
 from polyrl.families.duplex.policy import GRUPolicy
 from polyrl.families.duplex.rewards import AXES
@@ -43,7 +43,7 @@ from polyrl.families.duplex.sim import (
     natural_agent,
     rewards,
 )
-from polyrl.runs import check_resume_steps, max_threads
+from polyrl.runs import check_fits, check_resume_steps, max_threads
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,6 @@ import torch
 from torch import Tensor
 
 from polyrl.errors import TrainingError
-from polyrl.families import check_fits
 from polyrl.families.flow.losses import FLOW_LOSSES, FlowLossInputs, fpo_cfm_losses, step_kl
 from polyrl.families.flow.methods import FlowMethod
 from polyrl.families.flow.policy import VelocityMLP, pretrain
@@ -34,6 +33,7 @@ from polyrl.families.flow.sampler import Trajectory, replay, sample_sde
 from polyrl.families.flow.tasks import get_task
 from polyrl.logging import RunLogger, plot_curves, write_summary
 from polyrl.registry import ADVANTAGES
+from polyrl.runs import check_fits
 
 
 @dataclass(frozen=True)
@@ -91,7 +91,7 @@ TRAIN_BYTES, CFM_BYTES, EVAL_BYTES = 4096, 4096, 1536
 
 
 def check_memory(cfg: FlowTrainConfig, method: FlowMethod) -> None:
-    """Refuse (ValueError, one line) sizes that would not fit in this machine's memory (``families.check_fits``)."""
+    """Refuse (ValueError, one line) sizes that would not fit in this machine's memory (``runs.check_fits``)."""
     horizon = getattr(get_task(cfg.task), "horizon", 1)
     actions = cfg.groups * cfg.group_size * horizon
     check_fits({

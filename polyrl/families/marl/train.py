@@ -30,7 +30,7 @@ import torch
 
 import polyrl.objectives  # noqa: F401  (registers the advantage estimators)
 from polyrl.errors import TrainingError
-from polyrl.families import check_fits, diverged
+from polyrl.families import diverged
 from polyrl.families.marl import env as E
 from polyrl.families.marl.methods import MarlMethod
 from polyrl.families.marl.nets import CRITICS, Actor
@@ -40,7 +40,7 @@ from polyrl.objectives.token_advantages import gae_advantages_and_returns
 from polyrl.objectives.trust_regions import clip
 from polyrl.objectives.value import clipped_value_loss
 from polyrl.registry import ADVANTAGES
-from polyrl.runs import check_resume_steps, max_threads
+from polyrl.runs import check_fits, check_resume_steps, max_threads
 from polyrl.types import LossInputs, Normalizer
 
 

@@ -62,7 +62,7 @@ def add_parser(subparsers, name: str = "probe") -> argparse.ArgumentParser:
 
 def _experiment(args) -> Any:
     """The checked options as a ProbeExperiment; a bad one is refused in one line before anything runs."""
-    from polyrl.families import check_fits
+    from polyrl.runs import check_fits
     from polyrl.safety.probe.experiment import ProbeExperiment
     from polyrl.tinylm import check_trainable
 
