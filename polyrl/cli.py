@@ -12,6 +12,7 @@ import argparse
 import contextlib
 import difflib
 import json
+import math
 import os
 import sys
 from collections.abc import Sequence
@@ -62,7 +63,7 @@ def cmd_methods(args: argparse.Namespace) -> int:
         raise ConfigError("wide = true does not apply with --json (it widens the table); drop one of them")
     methods = load_catalog(args)["methods"]
     if args.json:
-        print(json.dumps([m["dict"] for m in methods], indent=2, default=str))
+        print(json.dumps([_strict_json(m["dict"]) for m in methods], indent=2, default=str))
         return 0
     if args.wide:
         table = Table(title=f"polyrl presets ({len(methods)})", show_lines=False)
@@ -105,7 +106,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
 
         entry = method_entry(method_from_overrides(args.name, vars(args)))
     if args.json:
-        print(json.dumps(entry["dict"], indent=2, default=str))
+        print(json.dumps(_strict_json(entry["dict"]), indent=2, default=str))
         return 0
     console.print(f"[bold]{entry['name']}[/] — {entry['summary']}")
     console.print(f"paper: {entry['paper']}")
@@ -173,12 +174,27 @@ def cache_dir() -> Path:
     return Path(os.environ.get("POLYRL_CACHE", Path.home() / ".cache" / "polyrl"))
 
 
+def _strict_json(value):
+    """``value`` with its non-finite floats as the strings 'inf', '-inf', 'nan': json.dumps would write Infinity,
+    which strict JSON parsers refuse (a part parameter may be inf, e.g. an unbounded trust region)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: _strict_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_strict_json(v) for v in value]
+    return value
+
+
 def cmd_warmstart(args: argparse.Namespace) -> int:
+    from polyrl.runs import signals_unwind
     from polyrl.tinylm import warmstart
 
-    # Bad settings are a one-line ConfigError (check_warmstart), a threshold not reached a TrainingError.
-    result = warmstart(args.task, cache_dir() / "warmstart", threshold=args.threshold, seed=args.seed,
-                       hidden=args.hidden, layers=args.layers)
+    # Bad settings are a one-line ConfigError (check_warmstart), a threshold not reached a TrainingError; a SIGTERM
+    # ends it with one line, as every other command.
+    with signals_unwind():
+        result = warmstart(args.task, cache_dir() / "warmstart", threshold=args.threshold, seed=args.seed,
+                           hidden=args.hidden, layers=args.layers)
     how = "cached" if result.cached else f"trained in {result.seconds:.0f} s, {result.steps} steps"
     console.print(f"warm start for {args.task}: accuracy {result.accuracy:.3f} ({how})\n{result.path}")
     return 0

@@ -53,6 +53,11 @@ def test_explain_with_override_resolves_and_validates():
     data = json.loads(out.stdout)
     assert data["trust_region"]["name"] == "dppo_tv" and data["trust_region"]["params"]["delta_low"] == 0.1
     assert data["aggregation"]["name"] == "prompt_mean"
+    # an unbounded parameter is written as the string 'inf': json.dumps wrote Infinity, which strict parsers refuse
+    out = run("explain", "grpo", "--trust-region", "dppo_tv:delta_low=inf", "--json")
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout, parse_constant=lambda c: pytest.fail(f"non-standard JSON constant {c}"))
+    assert data["trust_region"]["params"]["delta_low"] == "inf"
 
 
 @pytest.mark.parametrize(
