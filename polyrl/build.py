@@ -126,7 +126,8 @@ def resolve_train(args: argparse.Namespace, *, claim: Callable[[str], None] | No
         f"runs/{method_from_overrides(given.method, overrides).name}-{given.task}-s{given.seed}"
     changes: dict[str, list] = {}
     notes: list[str] = []
-    check_out_dir(run_dir, "run_dir")  # a file, a name too long, or '' (it meant the default run: TOML run_dir = "")
+    # a file, a name too long, or '' (it meant the default run: TOML run_dir = "")
+    check_out_dir(run_dir, "run_dir", try_making=False)
     if claim is not None:
         claim(run_dir)
     _recover_replaced(run_dir, notes)  # before anything reads the run directory (its config.json for --resume)

@@ -363,9 +363,11 @@ def max_threads() -> int:
     return 4 * (os.cpu_count() or 1)
 
 
-def check_out_dir(path: str | Path, option: str = "--out") -> None:
+def check_out_dir(path: str | Path, option: str = "--out", *, try_making: bool = True) -> None:
     """Refuse, in one line, an output directory that is a file or lies under one (it failed with a traceback after
-    the work was done, or before it with a file-system error)."""
+    the work was done, or before it with a file-system error), or, with ``try_making``, one that cannot be made
+    (the folders made to find out are removed again; `train` leaves this out: its ranks of one run would race,
+    and it refuses an uncreatable run_dir itself)."""
     if not str(path).strip():
         raise ConfigError(f"{option} = {str(path)!r} is not allowed: an empty path; give a directory (or leave it "
                           "out for the default)")
@@ -377,6 +379,8 @@ def check_out_dir(path: str | Path, option: str = "--out") -> None:
     blocker = next((p for p in [where, *where.parents] if p.exists() or p.is_symlink()), None)
     if blocker is not None and not blocker.is_dir():
         raise ConfigError(f"{option} = {str(path)!r} is not allowed: {str(blocker)!r} is a file, not a directory")
+    if not try_making:
+        return
     made = [p for p in [where, *where.parents] if not p.exists()]  # deepest first
     try:  # one that cannot be made (a read-only or virtual file system) failed in a traceback later
         where.mkdir(parents=True, exist_ok=True)
