@@ -226,6 +226,26 @@ def _check_contexts(cfg: TrainConfig) -> None:
         check_context(1, cfg.max_new_tokens, context, model=named)
 
 
+def _check_data_prompts(task, tokenizer, max_new_tokens: int, context: int | None) -> None:
+    """Every prompt of a data file fits the model's context with ``max_new_tokens``, checked before any step (as
+    verl's truncation='error'; the sampler refuses one too, but only once a step reaches it, hours in)."""
+    size = getattr(task, "split_size", None)
+    if context is None or size is None:
+        return
+    from polyrl.tasks.chat import prompt_ids
+
+    for split in ("train", "test"):
+        prompts = task.prompts(split, size(split), 0) if size(split) else []  # each once, put as the run puts them
+        lengths = [len(ids) for ids in prompt_ids(tokenizer, prompts)]
+        over = [i for i, n in enumerate(lengths) if n + max_new_tokens > context]
+        if over:
+            worst = max(over, key=lengths.__getitem__)
+            raise ConfigError(f"data_file: {len(over)} of its {len(prompts)} {split} prompts do not fit the model's "
+                              f"context of {context} positions with max_new_tokens = {max_new_tokens} (the longest, "
+                              f"{prompts[worst].id!r}, has {lengths[worst]} tokens); shorten or drop them, or lower "
+                              "max_new_tokens")
+
+
 def _recover_replaced(run_dir: str, notes: list[str]) -> None:
     """An old run that a killed ``--overwrite`` left set aside is put back (or dropped, if its replacement had
     started) by rank 0 (``runs.recover_replaced``); the other ranks of a torchrun refuse rather than read the run
@@ -411,7 +431,7 @@ def build_components(cfg: TrainConfig, method, task, model_dir: str) -> Componen
     from polyrl.learner.dist import device, init_from_env
     from polyrl.learner.local import ValueHead
     from polyrl.learner.lora import BaseReference
-    from polyrl.model import load_policy
+    from polyrl.model import context_length, load_policy
     from polyrl.ranks import RankEvaluator, RankSource
     from polyrl.rollout.agency.arbiter import AgencyArbiter, AgencySource
     from polyrl.rollout.agency.config import parse_schedule
@@ -445,6 +465,7 @@ def build_components(cfg: TrainConfig, method, task, model_dir: str) -> Componen
     # leaves rank 0 a full copy of its own, refreshed after every update (EpisodeRunner own_weights).
     sampler_model = policy if ranks is None else copy.deepcopy(policy).to(device())
     learner = _learner(cfg, method, policy, reference, critic, adapters, sharded=ranks is not None)
+    _check_data_prompts(task, tokenizer, cfg.max_new_tokens, context_length(policy))
     if cfg.engine.backend == "vllm":  # rollout/vllm.py: imported only here
         from polyrl.rollout.vllm import VLLMGenerator
 
@@ -479,7 +500,6 @@ def build_components(cfg: TrainConfig, method, task, model_dir: str) -> Componen
 
     sampler = _rollout_runner(cfg, method, learner, runner, arbiter, model_dir)  # the evaluator keeps `runner`
     if cfg.preference.file is not None:  # offline preference rows: no generation
-        from polyrl.model import context_length
         from polyrl.rollout.preference import PreferenceSource
         from polyrl.rollout.preference_data import read_pairs
 

@@ -194,3 +194,25 @@ def test_a_prompt_beyond_learned_positions_is_refused_in_one_line(tokenizers, tm
     assert "\n" not in message
     with pytest.raises(ConfigError):
         generator.generate_ids([ids], SamplingParams(n=1, max_new_tokens=8, temperature=0.0))
+
+
+@pytest.mark.skipif("gpt2" not in ARCHITECTURES, reason="transformers lacks GPT-2")
+def test_a_data_file_prompt_beyond_the_context_is_refused_before_the_first_step(tokenizers, tmp_path, capsys):
+    """The sampler refuses a prompt too long for the context only when a step reaches it (hours into a run); the
+    builder checks every prompt of a data file first and names how many, the longest and its length."""
+    from polyrl.cli import main
+
+    model_dir = build_tiny("gpt2", tmp_path / "m", tokenizer=tokenizers[False])
+    rows = [{"question": f"what is 2 plus {i}?" * (120 if i == 3 else 1), "answer": str(2 + i)} for i in range(40)]
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    argv = ["train", "--model", str(model_dir), "--task", "math", "--data-file", str(data), "--steps", "1",
+            "--prompts-per-step", "2", "--group-size", "2", "--eval-prompts", "2", "--threads", "1",
+            "--no-tensorboard", "--run-dir", str(tmp_path / "run")]
+    assert main([*argv, "--max-new-tokens", "8"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "data_file: 1 of its" in err and "do not fit the model's context of 256 positions" in err, err
+    assert len(err.splitlines()) == 1 and not (tmp_path / "run").exists()
+    short = [r for i, r in enumerate(rows) if i != 3]
+    data.write_text("".join(json.dumps(r) + "\n" for r in short))
+    assert main([*argv, "--max-new-tokens", "8"]) == 0, capsys.readouterr().err

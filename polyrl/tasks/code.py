@@ -133,6 +133,10 @@ class CodeTask:
                                     f"({e.msg}, line {e.lineno})") from None
         return list(value)
 
+    def split_size(self, split: Split) -> int:
+        """How many distinct prompts ``split`` holds (the builder checks each against the model's context)."""
+        return len(self._pools[split])
+
     def prompts(self, split: Split, n: int, seed: int) -> list[Prompt]:
         """``n`` prompts of ``split``, shuffled by ``seed``, cycling through the split when n exceeds it."""
         return draw_split(self._pools[split], n, seed, label=self._label, heldout_percent=self.heldout_percent)

@@ -202,6 +202,10 @@ class MathTask:
                                              messages=messages))
         check_splits(self._pools, len(rows), heldout_percent, label=label, key="question")
 
+    def split_size(self, split: Split) -> int:
+        """How many distinct prompts ``split`` holds (the builder checks each against the model's context)."""
+        return len(self._pools[split])
+
     def prompts(self, split: Split, n: int, seed: int) -> list[Prompt]:
         """``n`` prompts of ``split``, shuffled by ``seed``, cycling through the split when n exceeds it."""
         return draw_split(self._pools[split], n, seed, label=self._label, heldout_percent=self.heldout_percent)
