@@ -450,7 +450,7 @@ def build_components(cfg: TrainConfig, method, task, model_dir: str) -> Componen
     adapters = _adapters(cfg, policy)
     # The reference is the distillation teacher when one is given (LoRA too); else a frozen copy of the starting
     # model (synced to the policy by Humanline presets); with LoRA, the policy itself with its adapters off.
-    reference = _teacher(cfg, tokenizer)
+    reference = teacher = _teacher(cfg, tokenizer)
     if cfg.agency.baseline is not None:
         from polyrl.distill import check_vocab
 
@@ -465,7 +465,8 @@ def build_components(cfg: TrainConfig, method, task, model_dir: str) -> Componen
     # leaves rank 0 a full copy of its own, refreshed after every update (EpisodeRunner own_weights).
     sampler_model = policy if ranks is None else copy.deepcopy(policy).to(device())
     learner = _learner(cfg, method, policy, reference, critic, adapters, sharded=ranks is not None)
-    _check_data_prompts(task, tokenizer, cfg.max_new_tokens, context_length(policy))
+    contexts = [n for n in (context_length(policy), teacher and context_length(teacher)) if n]  # a teacher reads them
+    _check_data_prompts(task, tokenizer, cfg.max_new_tokens, min(contexts, default=None))
     if cfg.engine.backend == "vllm":  # rollout/vllm.py: imported only here
         from polyrl.rollout.vllm import VLLMGenerator
 
