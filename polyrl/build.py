@@ -175,7 +175,7 @@ def resolve_train(args: argparse.Namespace, *, claim: Callable[[str], None] | No
         check_prompt_format(cfg.data.chat_template, cfg.data.system_prompt, cfg.model, task)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    _check_contexts(cfg)
+    _check_contexts(cfg, notes)
     from polyrl.checkpoint import latest_checkpoint, resume_checkpoint
     from polyrl.launch import world
 
@@ -210,20 +210,19 @@ def resolve_train(args: argparse.Namespace, *, claim: Callable[[str], None] | No
     return plan
 
 
-def _check_contexts(cfg: TrainConfig) -> None:
-    """``max_new_tokens`` must leave room for a prompt in the context of every model that reads a completion: the
-    policy (a warm start has ``tinylm.MAX_POSITIONS``), a distillation teacher, an agency baseline. The sampler checks
-    each prompt's own length (``rollout/hf.py``)."""
-    from polyrl.model import check_context, model_context
-    from polyrl.tinylm import MAX_POSITIONS
+def _check_contexts(cfg: TrainConfig, notes: list[str]) -> None:
+    """``max_new_tokens`` must leave room for a prompt in the position table of every model that reads a completion:
+    the policy, a distillation teacher, an agency baseline (``model.context_length``; a rotary model gets a note
+    instead, and the warm start is one). The sampler checks each prompt's own length (``rollout/hf.py``)."""
+    from polyrl.model import beyond_context, check_context, model_context
 
     models = {"model": cfg.model, "teacher": cfg.distill.teacher, "agency": cfg.agency.baseline}
     for setting, path in models.items():
-        if path is None and setting != "model":
+        if path is None:
             continue
-        context = MAX_POSITIONS if path is None else model_context(path)
-        named = "the warm start" if path is None else f"{setting} = {str(path)!r}"
-        check_context(1, cfg.max_new_tokens, context, model=named)
+        check_context(1, cfg.max_new_tokens, model_context(path), model=f"{setting} = {str(path)!r}")
+        if (note := beyond_context(path, cfg.max_new_tokens)) is not None:
+            notes.append(f"{setting}: {note}")
 
 
 def _check_data_prompts(task, tokenizer, max_new_tokens: int, context: int | None) -> None:

@@ -120,14 +120,39 @@ def load_policy(model_dir: str | Path, *, dtype: DType = "float32", threads: int
 
 
 def context_length(model_or_config) -> int | None:
-    """The positions a model can attend over (``config.max_position_embeddings``; GPT-2's ``n_positions`` through
-    transformers' attribute map), or None where its config names none.
+    """The positions a model can embed, where that is a hard limit: ``config.max_position_embeddings`` (GPT-2's
+    ``n_positions`` through transformers' attribute map) of a model with a learned position table; None for a rotary
+    model (``rope_*`` in its config) or a config that names no limit.
 
-    Convention: vLLM's ``max_model_len``. A prompt and its ``max_new_tokens`` must fit in it: models with learned
-    positions (GPT-2) fail beyond it, and rotary models were not trained there."""
+    Convention: a prompt and its ``max_new_tokens`` must fit in this (vLLM's rule, prompt + max_tokens <=
+    max_model_len): a learned table has no row past it (GPT-2 ended in an IndexError). vLLM applies the rule to every
+    model; here a rotary model may run past max_position_embeddings (positions it was not trained on, as
+    transformers' generate allows), so runs started that way keep working; ``beyond_context`` notes it."""
     config = getattr(model_or_config, "config", model_or_config)
+    if any(getattr(config, name, None) for name in ("rope_parameters", "rope_scaling", "rope_theta")):
+        return None
+    return _positions(config)
+
+
+def _positions(config) -> int | None:
     n = getattr(config, "max_position_embeddings", None)
     return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
+
+
+def beyond_context(model_dir: str | Path, max_new_tokens: int) -> str | None:
+    """A note when ``max_new_tokens`` alone reaches past a rotary model's ``max_position_embeddings`` (positions it
+    was not trained on; a learned table refuses it instead, ``context_length``), else None."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    except Exception:  # noqa: BLE001 (loading the model says what is wrong, in one line)
+        return None
+    n = _positions(config)
+    if n is None or context_length(config) is not None or max_new_tokens < n:
+        return None
+    return (f"max_new_tokens = {max_new_tokens} reaches past the {n} positions the model was trained on "
+            "(max_position_embeddings): its rotary positions run on untrained")
 
 
 def model_context(model_dir: str | Path) -> int | None:

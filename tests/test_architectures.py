@@ -198,8 +198,8 @@ def test_a_prompt_beyond_learned_positions_is_refused_in_one_line(tokenizers, tm
 
 @pytest.mark.skipif("gpt2" not in ARCHITECTURES, reason="transformers lacks GPT-2")
 def test_a_data_file_prompt_beyond_the_context_is_refused_before_the_first_step(tokenizers, tmp_path, capsys):
-    """The sampler refuses a prompt too long for the context only when a step reaches it (hours into a run); the
-    builder checks every prompt of a data file first and names how many, the longest and its length."""
+    """The sampler refuses a prompt too long for a learned position table only when a step reaches it (hours into a
+    run); the builder checks every prompt of a data file first and names how many, the longest and its length."""
     from polyrl.cli import main
 
     model_dir = build_tiny("gpt2", tmp_path / "m", tokenizer=tokenizers[False])
@@ -209,6 +209,10 @@ def test_a_data_file_prompt_beyond_the_context_is_refused_before_the_first_step(
     argv = ["train", "--model", str(model_dir), "--task", "math", "--data-file", str(data), "--steps", "1",
             "--prompts-per-step", "2", "--group-size", "2", "--eval-prompts", "2", "--threads", "1",
             "--no-tensorboard", "--run-dir", str(tmp_path / "run")]
+    assert main([*argv, "--max-new-tokens", "256"]) == 2  # no room for any prompt: refused before the data is read
+    err = capsys.readouterr().err.strip()
+    assert err.endswith("max_new_tokens = 256 leaves no room for a prompt in the context of model = "
+                        f"{str(model_dir)!r} (256 positions, max_position_embeddings); allowed: below 256"), err
     assert main([*argv, "--max-new-tokens", "8"]) == 2
     err = capsys.readouterr().err.strip()
     assert "data_file: 1 of its" in err and "do not fit the model's context of 256 positions" in err, err
@@ -216,3 +220,23 @@ def test_a_data_file_prompt_beyond_the_context_is_refused_before_the_first_step(
     short = [r for i, r in enumerate(rows) if i != 3]
     data.write_text("".join(json.dumps(r) + "\n" for r in short))
     assert main([*argv, "--max-new-tokens", "8"]) == 0, capsys.readouterr().err
+
+
+def test_a_rotary_model_runs_past_its_positions_with_a_note(tokenizers, tmp_path, capsys):
+    """Rotary positions have no table to run out of: a prompt and max_new_tokens past max_position_embeddings sample
+    (as transformers' generate does, and as runs started that way resume), and the run notes the untrained
+    positions; only a learned table (GPT-2) refuses."""
+    from polyrl.cli import main
+    from polyrl.model import context_length
+
+    model_dir = build_tiny("llama", tmp_path / "m", tokenizer=tokenizers[False])
+    model, tok = load_policy(model_dir, threads=1)
+    assert context_length(model) is None and model.config.max_position_embeddings == 256
+    ids = tok("1+2=" * 200, add_special_tokens=False)["input_ids"][:250]
+    samples = HFGenerator(model, tok).generate_ids([ids], SamplingParams(n=1, max_new_tokens=8, temperature=0.0))
+    assert len(samples[0].completion_token_ids) >= 1
+    argv = ["train", "--model", str(model_dir), "--steps", "1", "--prompts-per-step", "2", "--group-size", "2",
+            "--eval-prompts", "2", "--threads", "1", "--no-tensorboard", "--max-new-tokens", "260", "--run-dir",
+            str(tmp_path / "run"), "--reward-funcs", "tests.reward_fns:digit_fraction"]
+    assert main(argv) == 0
+    assert "reaches past the 256 positions the model was trained on" in capsys.readouterr().out

@@ -241,9 +241,8 @@ def test_a_row_beyond_the_models_context_is_refused_naming_its_line(tiny_model, 
     rows = read_pairs(_write(tmp_path / "p.jsonl", [ROWS[0], {"prompt": "1+1=", "chosen": "2" * 30, "rejected": "3"}]))
     fits = PreferenceSource(rows, tok, lambda p: p, pairs_per_step=2, seed=0, max_new_tokens=8, context=36)
     fits.collect(get_method("dpo"), None, 0)  # BOS + 4 prompt + 30 chosen + EOS = 36 positions
-    src = PreferenceSource(rows, tok, lambda p: p, pairs_per_step=2, seed=0, max_new_tokens=8, context=35)
-    with pytest.raises(ConfigError) as e:
-        src.collect(get_method("dpo"), None, 0)
+    with pytest.raises(ConfigError) as e:  # before any step: when reached, hours in, an --overwrite had dropped a run
+        PreferenceSource(rows, tok, lambda p: p, pairs_per_step=2, seed=0, max_new_tokens=8, context=35)
     assert str(e.value).startswith("preference_file row 2: the prompt and its chosen completion are 36 tokens"), e.value
 
 

@@ -727,9 +727,6 @@ def test_train_refusals_found_in_review(tiny_model, run, tmp_path, capsys, monke
         ([*_small(tiny_model, tmp_path / "n"), "--advantage", "grpo:eps=1,eps=2"], ["'eps' is given twice"]),
         ([*_small(tiny_model, tmp_path / "n"), "--max-new-tokens", "99999999999999999999"], ["below 2**63"]),
         ([*_small(tiny_model, tmp_path / "n"), "--threads", "99999999999"], ["threads = 99999999999"]),
-        # a GPT-2's position table ends at its context: sampling past it was an IndexError deep in the embedding
-        ([*_small(tiny_model, run), "--overwrite", "--max-new-tokens", "256"],
-         ["max_new_tokens = 256 leaves no room for a prompt", "(256 positions", "below 256"]),
         ([*_small(tiny_model, tmp_path / "n"), "--train-prompts", "1000000000"], ["train_prompts = 1000000000"]),
         # a 1e8-prompt step ran out the clock building its batch
         ([*_small(tiny_model, tmp_path / "n"), "--prompts-per-step", "100000000"], ["at most 1000000 rollouts"]),

@@ -132,7 +132,8 @@ def counted(prompts, completions, answers, **kw):
     ("strings", "returned str 'high', not a float at step 0, completion 0 of prompt index 0"),
     ("keyed", "returned dict, not a list of floats"),  # its keys 0..3 would have been the rewards
     # finite in Python, inf as a float32 reward: the group's advantages became 0 and training did nothing
-    ("huge", "returned 1e+300, beyond the float32 range (+-3.4e+38) rewards are kept in at step 0, completion 2"),
+    ("huge", "returned 1e+300, beyond +-1e+15, where a batch's float32 statistics overflow (scale the rewards "
+             "down) at step 0, completion 2"),
 ])
 def test_bad_reward_functions_stop_the_run_with_one_line(tiny_model, tmp_path, capsys, fn, fragment):
     (tmp_path / "my_rewards.py").write_text(REWARDS)
@@ -153,12 +154,33 @@ def test_weighted_rewards_beyond_float32_are_refused_naming_the_completion(tmp_p
 
     (tmp_path / "my_rewards.py").write_text(REWARDS)
     prompts = [Prompt(id=f"p{i}", text="1+1=", answer="2") for i in range(2)]
-    fine = RewardChannels(AdditionTask(), [f"{tmp_path / 'my_rewards.py'}:constant"], [3e38])
-    assert fine(prompts, ["2", "3"]).total == [3e38, 3e38]
-    channels = RewardChannels(AdditionTask(), [f"{tmp_path / 'my_rewards.py'}:constant", "task"], [3e38, 1e38])
+    fine = RewardChannels(AdditionTask(), [f"{tmp_path / 'my_rewards.py'}:constant"], [1e15])
+    assert fine(prompts, ["2", "3"]).total == [1e15, 1e15]
+    channels = RewardChannels(AdditionTask(), [f"{tmp_path / 'my_rewards.py'}:constant", "task"], [1e15, 1e14])
     with pytest.raises(RewardError) as e:
         channels(prompts, ["3", "2"], prompt_index=[0, 1])
-    assert "give 4e+38, beyond the float32 range" in str(e.value) and "completion 1 of prompt index 1" in str(e.value)
+    assert "give 1.1e+15, beyond +-1e+15" in str(e.value) and "completion 1 of prompt index 1" in str(e.value)
+
+
+def test_rewards_at_the_limit_keep_their_advantages():
+    """At the limit a step's float32 statistics stay finite; at 1e30 GRPO's std overflowed and every advantage was 0
+    (the run trained on nothing)."""
+    import torch
+
+    import polyrl.objectives  # noqa: F401  (registers the advantage estimators)
+    from polyrl.registry import ADVANTAGES as PARTS
+    from polyrl.tasks.rewards import REWARD_LIMIT
+
+    rows = 10**6  # the most rollouts a step takes
+    group = torch.arange(rows) // 8
+    def advantages(name, v):
+        fn = next(p for p in PARTS if p.name == name).fn
+        return fn(torch.tensor([v, 0.0, -v, v] * (rows // 4)), group, torch.ones(rows, 1))
+
+    for name in ("grpo", "group_centered_batch_std", "reinforce_pp_baseline"):
+        adv = advantages(name, REWARD_LIMIT)
+        assert bool(torch.isfinite(adv).all()) and adv.abs().max() > 1.0, name
+    assert advantages("grpo", 1e30).abs().max() == 0
 
 
 def test_a_reward_file_named_like_a_standard_module_does_not_replace_it(tmp_path):

@@ -203,7 +203,7 @@ def test_cli_rejects_bad_values():
     (["--top-k", "25"], "--top-k=25: at most 24"),  # was cut to 24 unseen, results.json saying 25
     (["--thresholds", "1,3.2"], "in (0, 3.178]"),  # above ln 24 no position is uncertain enough: base decoding
     (["--refinements", "1,4"], "S = 1 is the base decode"),
-    (["--min-segment", "20"], "--min-segment=20: must be below --max-new-tokens=20"),
+    (["--min-segment", "21"], "--min-segment=21: must be at most --max-new-tokens=20"),
 ])
 def test_cli_refuses_settings_that_leave_plain_decoding_or_are_cut_unseen(argv, words):
     """Each of these ran GGRO rows identical to base decoding (0 nudges), reported as GGRO points."""
@@ -212,7 +212,7 @@ def test_cli_refuses_settings_that_leave_plain_decoding_or_are_cut_unseen(argv, 
     with pytest.raises(ConfigError) as e:
         _check(parser.parse_args(["ggro", *argv]))
     assert words in str(e.value), str(e.value)
-    _check(parser.parse_args(["ggro", "--top-k", "24", "--thresholds", "3.17", "--min-segment", "19"]))
+    _check(parser.parse_args(["ggro", "--top-k", "24", "--thresholds", "3.17", "--min-segment", "20"]))
 
 
 def test_best_of_n_weights_past_a_thousand_draws():

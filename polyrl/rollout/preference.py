@@ -35,11 +35,23 @@ class PreferenceSource:
     def __init__(self, rows: list[PreferenceRow], tokenizer, put: Callable[[Prompt], Prompt], *,
                  pairs_per_step: int, seed: int, max_new_tokens: int, context: int | None = None) -> None:
         """``put`` renders a prompt as the run does (``tasks.chat.PromptFormat.apply``); a row longer than ``context``
-        (the model's positions) is refused when it is reached."""
+        (a learned position table, ``model.context_length``) is refused here, before any step."""
         self.rows, self.tokenizer, self.put, self.context = rows, tokenizer, put, context
+        if context is not None:  # every row before the first step (hours in, an --overwrite had deleted the old run)
+            prompts = [put(Prompt(id=f"preference/{i}", text=r.prompt, answer="")) for i, r in enumerate(rows)]
+            eos = int(tokenizer.eos_token_id is not None)
+            for name in ("chosen", "rejected"):
+                for row, ids in zip(rows, prompt_ids(tokenizer, prompts, [getattr(r, name) for r in rows])):
+                    self._check_length(row, name, len(ids) + eos)
         self.pairs_per_step, self.seed, self.max_new_tokens = pairs_per_step, seed, max_new_tokens
         self.pos = 0  # rows taken so far
         self._order: tuple[int, Tensor] | None = None  # (pass, permutation) cache
+
+    def _check_length(self, row: PreferenceRow, name: str, tokens: int) -> None:
+        if self.context is not None and tokens > self.context:
+            raise ConfigError(f"preference_file row {row.line}: the prompt and its {name} completion are {tokens} "
+                              f"tokens, beyond the model's position table of {self.context} (max_position_embeddings); "
+                              "shorten or drop the row")
 
     def _row(self, pos: int) -> int:
         n = len(self.rows)
@@ -62,10 +74,7 @@ class PreferenceSource:
             else:  # the tokenizer merged across the boundary: encode the completion on its own
                 ids = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
             ids = ids + ([eos] if eos is not None else [])
-            if self.context is not None and len(head) + len(ids) > self.context:
-                raise ConfigError(f"preference_file row {row.line}: the prompt and its {name} completion are "
-                                  f"{len(head) + len(ids)} tokens, beyond the model's context of {self.context} "
-                                  "positions (max_position_embeddings); shorten or drop the row")
+            self._check_length(row, name, len(head) + len(ids))
             out.append(Sample(prompt_index=k, prompt_token_ids=list(head), completion_token_ids=ids,
                               logprobs=[0.0] * len(ids), finish_reason="stop", text=text))
         return prompt, out

@@ -7,6 +7,7 @@ its own subcommand with ``fn`` set, and bad values raise ``ConfigError`` (one li
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import importlib
 import sys
@@ -38,12 +39,13 @@ def _settled(fn: Callable[[argparse.Namespace], int], args: argparse.Namespace) 
         try:
             return fn(args)
         finally:
+            for folder in made:  # a refused or failed run leaves no empty --out behind
+                with contextlib.suppress(OSError):
+                    if folder.is_dir() and not any(folder.iterdir()):
+                        folder.rmdir()
             try:
                 if out.is_dir() and settle_out(out):
                     print(f"polyrl: the run did not finish; the earlier results in {out} are back", file=sys.stderr)
-                for folder in made:  # a refused or failed run leaves no empty --out behind
-                    if folder.is_dir() and not any(folder.iterdir()):
-                        folder.rmdir()
             except OSError as e:
                 print(f"polyrl: warning: the earlier results in {out} are still hidden as .results.json.replaced "
                       f"and .report.html.replaced ({e.strerror or e})", file=sys.stderr)

@@ -21,9 +21,14 @@ import traceback
 from collections.abc import Callable, Mapping, Sequence, Set
 from dataclasses import dataclass
 
-from polyrl.errors import FLOAT32_MAX, RewardError, Terminated  # rewards become float32 tensors
+from polyrl.errors import RewardError, Terminated
 from polyrl.plugins import import_module_or_file
 from polyrl.tasks.base import Prompt, Task
+
+# Rewards become float32 tensors, and a batch's statistics square them (a group's or the batch's std): 1e15^2 times
+# the 10^6 rollouts a step may hold stays within float32 (3.4e38). At 1e30 GRPO's std overflowed and every
+# advantage became 0, so the run trained on nothing; at 1e300 the reward itself was inf.
+REWARD_LIMIT = 1e15
 
 RewardFn = Callable[..., list[float]]
 
@@ -86,10 +91,10 @@ class RewardChannels:
         columns = [self._channel(spec, fn, prompts, completions, where) for spec, fn in zip(self.specs, self._fns)]
         total = [sum(w * col[i] for w, col in zip(self.weights, columns)) for i in range(len(completions))]
         for i, t in enumerate(total):
-            if not abs(t) <= FLOAT32_MAX:  # weights times rewards beyond float32 (inf or nan there)
+            if not abs(t) <= REWARD_LIMIT:  # weights times rewards: the same limit
                 raise RewardError(",".join(self.specs), f"weighted by reward_weights = {self.weights} give {t:g}, "
-                                  f"beyond the float32 range (+-{FLOAT32_MAX:.3g}) rewards are kept in",
-                                  completion=i, prompt_index=where[i])
+                                  f"beyond +-{REWARD_LIMIT:g}, where a batch's float32 statistics overflow (scale "
+                                  "them down)", completion=i, prompt_index=where[i])
         channels = [list(row) for row in zip(*columns)] if len(columns) > 1 else None
         return Rewards(total=total, channels=channels)
 
@@ -123,7 +128,7 @@ class RewardChannels:
                 raise error(f"returned {type(v).__name__} {v!r}, not a float", i)
             if not math.isfinite(float(v)):
                 raise error(f"returned {float(v)}, not a finite float", i)
-            if abs(float(v)) > FLOAT32_MAX:
-                raise error(f"returned {float(v):g}, beyond the float32 range (+-{FLOAT32_MAX:.3g}) rewards are "
-                            "kept in", i)
+            if abs(float(v)) > REWARD_LIMIT:
+                raise error(f"returned {float(v):g}, beyond +-{REWARD_LIMIT:g}, where a batch's float32 statistics "
+                            "overflow (scale the rewards down)", i)
         return [float(v) for v in values]

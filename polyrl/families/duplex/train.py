@@ -119,7 +119,7 @@ def validate_config(cfg: DuplexTrainConfig) -> None:
             raise ValueError(f"{name} = {v!r} is not allowed; allowed: an integer >= 1")
     if cfg.threads > max_threads():
         raise ValueError(f"threads = {cfg.threads} is not allowed; allowed: an integer in [1, {max_threads()}] "
-                         "(4 per core of this machine)")
+                         "(4 per core of this machine; a run recorded with more, resumed here, takes --threads)")
     for name in ("imitation_steps", "checkpoint_every", "seed", "min_gap"):
         v = getattr(cfg, name)
         if isinstance(v, bool) or not isinstance(v, int) or v < 0:
@@ -356,7 +356,8 @@ def train_duplex(cfg: DuplexTrainConfig, method: DuplexMethod, *, run_dir: str |
                "natural_agent": natural, "imitation_loss": bc_loss, "steps": cfg.steps,
                "wall_seconds": time.perf_counter() - started,
                "seconds_per_step": sum(r["perf/step_seconds"] for r in rows) / max(len(rows), 1),
-               "config": asdict(cfg), "parts": {"kind": method.kind, "advantage": str(method.advantage),
+               "config": asdict(cfg), "parts": {"kind": method.kind,
+                                                "advantage": method.advantage and str(method.advantage),
                                                 "trust_region": f"clip:eps={cfg.clip_eps}",
                                                 "aggregation": "seq_mean_token_mean"}}
     write_summary(run_dir, summary)

@@ -104,7 +104,7 @@ def validate_config(cfg: MarlTrainConfig) -> None:
             raise ValueError(f"{name} = {v!r} is not allowed; allowed: an integer >= 1")
     if cfg.threads > max_threads():
         raise ValueError(f"threads = {cfg.threads} is not allowed; allowed: an integer in [1, {max_threads()}] "
-                         "(4 per core of this machine)")
+                         "(4 per core of this machine; a run recorded with more, resumed here, takes --threads)")
     if cfg.checkpoint_every < 0:
         raise ValueError(f"checkpoint_every = {cfg.checkpoint_every} is not allowed; allowed: an integer >= 0")
     try:

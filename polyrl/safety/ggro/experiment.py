@@ -69,9 +69,9 @@ def _check(args) -> tuple[list[float], list[int]]:
 
     if args.top_k > VOCAB:  # it was cut to the vocabulary unseen, while results.json recorded the value asked for
         raise ConfigError(f"--top-k={args.top_k}: at most {VOCAB}, the toy LM's vocabulary")
-    if args.min_segment >= args.max_new_tokens:  # no segment would be long enough to test: plain decoding
-        raise ConfigError(f"--min-segment={args.min_segment}: must be below --max-new-tokens={args.max_new_tokens} "
-                          "(a segment shorter than that is never refined)")
+    if args.min_segment > args.max_new_tokens:  # no segment would be long enough to test: plain decoding
+        raise ConfigError(f"--min-segment={args.min_segment}: must be at most --max-new-tokens={args.max_new_tokens}"
+                          " (a segment shorter than that is never refined)")
     # the entropy of a next-token distribution over VOCAB tokens is at most ln VOCAB: a higher H* never refines
     most = math.log(VOCAB)
     thresholds = number_list(args.thresholds, "--thresholds", f"comma-separated numbers in (0, {most:.3f}] (ln of "

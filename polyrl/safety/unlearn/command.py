@@ -11,7 +11,7 @@ import numpy as np
 
 from polyrl.config import ConfigError
 from polyrl.safety.options import add_out_options, check_common, number_list, prepare_out
-from polyrl.safety.unlearn.experiment import CONDITIONS, ExperimentConfig, run_seed, summarise
+from polyrl.safety.unlearn.experiment import CONDITIONS, ExperimentConfig, check_forget_sets, run_seed, summarise
 
 HELP = "Safe-RULE: offline safe RL on poisoned transitions, unlearning vs clean retraining"
 DESCRIPTION = (
@@ -259,6 +259,7 @@ def command(args: argparse.Namespace) -> int:
     from polyrl.safety.report import table_html, write_report
 
     cfg = config_from_args(args)
+    check_forget_sets(cfg)  # every seed's, before --out is touched or any seed trains
     out = prepare_out(args)
     torch.set_num_threads(args.threads)
     console = Console()

@@ -64,19 +64,31 @@ def _score(env: GridWorld, agent: SafeAgent, retain, oracle_pi=None, oracle_w=No
     return out
 
 
-def run_seed(seed: int, cfg: ExperimentConfig, advance=lambda n: None) -> dict:
-    """All agents of one seed; ``advance(n)`` is told about every ``n`` gradient steps done."""
+def seed_data(seed: int, cfg: ExperimentConfig):
+    """(env, rng, clean data, poisoned data) of one seed: cheap, and the same every time it is drawn."""
     env = GridWorld()
     rng = np.random.default_rng(seed)
+    clean = collect_clean(env, cfg.episodes, rng)
+    return env, rng, clean, poison(env, clean, rng, relabel_frac=cfg.relabel_frac, poison_ratio=cfg.poison_ratio)
+
+
+def check_forget_sets(cfg: ExperimentConfig) -> None:
+    """Refuse, before any seed trains, settings that poison nothing in some seed: its forget set would be empty, and
+    every "unlearned" row the plain agent's whatever lam_forget (found in seed 4 of 5, it lost seeds 0-3's work)."""
+    for seed in range(cfg.seeds):
+        env, _, clean, data = seed_data(seed, cfg)
+        if not data.poisoned.any():
+            raise ConfigError(f"--relabel-frac={cfg.relabel_frac:g} and --poison-ratio={cfg.poison_ratio:g} poison "
+                              f"none of seed {seed}'s {int((clean.s2 == env.hazard).sum())} hazard transitions: the "
+                              "forget set is empty, so there is nothing to unlearn; raise either")
+
+
+def run_seed(seed: int, cfg: ExperimentConfig, advance=lambda n: None) -> dict:
+    """All agents of one seed; ``advance(n)`` is told about every ``n`` gradient steps done."""
+    env, rng, clean, data = seed_data(seed, cfg)
     torch.manual_seed(seed)
     acfg = AgentConfig(**{**asdict(cfg.agent), "hidden": cfg.hidden, "cost_limit": cfg.cost_limit})
-    clean = collect_clean(env, cfg.episodes, rng)
-    data = poison(env, clean, rng, relabel_frac=cfg.relabel_frac, poison_ratio=cfg.poison_ratio)
     retain, forget = data.subset(~data.poisoned), data.subset(data.poisoned)
-    if len(forget) == 0:  # nothing poisoned: every "unlearned" row would be the plain agent's, lam_forget unread
-        raise ConfigError(f"--relabel-frac={cfg.relabel_frac:g} and --poison-ratio={cfg.poison_ratio:g} poison none of "
-                          f"seed {seed}'s {int((clean.s2 == env.hazard).sum())} hazard transitions: the forget set is "
-                          "empty, so there is nothing to unlearn; raise either")
     hazard = data.s2 == env.hazard
     info = {"n_clean": len(clean), "n_poisoned_data": len(data), "n_retain": len(retain), "n_forget": len(forget),
             "hazard_cost_label_clean": float(clean.c[clean.s2 == env.hazard].mean()),
