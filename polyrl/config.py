@@ -247,9 +247,35 @@ def load_toml(path: str | os.PathLike, cls: type = TrainConfig) -> dict[str, Any
             if setting in out:  # `lora_rank` and `[lora] rank`, or `warmup-steps` and `warmup_steps`: one silently won
                 raise ConfigError(f"config file {str(p)!r}: {written!r} and {written_as[setting]!r} both set "
                                   f"{setting}; give it once")
+            try:  # here, not only when the settings are built: a flag given over it would hide a wrong type
+                _typed(known[setting], v)
+            except ConfigError as e:
+                raise ConfigError(f"config file {str(p)!r}: {e}") from None
             out[setting] = v
             written_as[setting] = written
     return out
+
+
+def _typed(s: Setting, value: Any) -> Any:
+    """``value`` of setting ``s`` checked against its type (a float setting's int becomes a float); ConfigError in one
+    line otherwise."""
+    base = _base_type(s.type)
+    ok = (
+        value in typing.get_args(s.type) if typing.get_origin(s.type) is Literal
+        else isinstance(value, bool) if base is bool
+        else isinstance(value, (int, float)) and not isinstance(value, bool) if base is float
+        else isinstance(value, int) and not isinstance(value, bool) if base is int
+        else isinstance(value, base)
+    )
+    if not ok:
+        allowed = ("one of " + ", ".join(map(repr, typing.get_args(s.type)))
+                   if typing.get_origin(s.type) is Literal else getattr(base, "__name__", base))
+        raise ConfigError(f"{s.name} = {value!r} must be {allowed}")
+    if base is float and not (abs(value) < 1e308 if isinstance(value, int) else math.isfinite(value)):
+        raise ConfigError(f"{s.name} = {value!r} must be a finite number")  # (an int past 1e308 has no float)
+    if base is int and not -2**63 < value < 2**63:  # past int64, torch's C++ raised an overflow traceback
+        raise ConfigError(f"{s.name} = {value!r} must be an integer of magnitude below 2**63")
+    return float(value) if base is float else value
 
 
 def build_config(values: dict[str, Any], cls: type = TrainConfig) -> Any:
@@ -259,23 +285,7 @@ def build_config(values: dict[str, Any], cls: type = TrainConfig) -> Any:
     for s in settings(cls):
         if s.name not in values or values[s.name] is None:
             continue
-        value, base = values[s.name], _base_type(s.type)
-        ok = (
-            value in typing.get_args(s.type) if typing.get_origin(s.type) is Literal
-            else isinstance(value, bool) if base is bool
-            else isinstance(value, (int, float)) and not isinstance(value, bool) if base is float
-            else isinstance(value, int) and not isinstance(value, bool) if base is int
-            else isinstance(value, base)
-        )
-        if not ok:
-            allowed = ("one of " + ", ".join(map(repr, typing.get_args(s.type)))
-                       if typing.get_origin(s.type) is Literal else getattr(base, "__name__", base))
-            raise ConfigError(f"{s.name} = {value!r} must be {allowed}")
-        if base is float and not (abs(value) < 1e308 if isinstance(value, int) else math.isfinite(value)):
-            raise ConfigError(f"{s.name} = {value!r} must be a finite number")  # (an int past 1e308 has no float)
-        if base is int and not -2**63 < value < 2**63:  # past int64, torch's C++ raised an overflow traceback
-            raise ConfigError(f"{s.name} = {value!r} must be an integer of magnitude below 2**63")
-        value = float(value) if base is float else value
+        value = _typed(s, values[s.name])
         if len(s.path) == 1:
             top[s.name] = value
         else:

@@ -502,6 +502,15 @@ def test_seeds_out_of_range_are_refused_before_any_work(tmp_path, capsys, argv, 
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("command", [["train"], ["flow", "train"], ["marl", "train"], ["duplex", "train"]])
+def test_a_toml_value_of_the_wrong_type_is_refused_even_under_a_flag(tmp_path, capsys, command):
+    """`steps = "3"` in a TOML ran when --steps was given too: the flag replaced it before its type was checked."""
+    (tmp_path / "c.toml").write_text('steps = "3"\n')
+    assert main([*command, "--config", str(tmp_path / "c.toml"), "--steps", "1", "--run-dir", str(tmp_path / "r")]) == 2
+    one_line_error(capsys, "c.toml': steps = '3' must be int")
+    assert not (tmp_path / "r").exists()
+
+
 def test_an_allocation_that_fails_is_one_line_and_other_errors_still_raise(tmp_path, capsys, monkeypatch):
     """`q train --size 1000000`, `duplex train --hidden 10000000`: numpy's and torch's allocation errors were
     tracebacks from deep inside the step. A bug that is no allocation failure keeps its traceback."""
