@@ -214,14 +214,14 @@ def _check_contexts(cfg: TrainConfig, notes: list[str]) -> None:
     """``max_new_tokens`` must leave room for a prompt in the position table of every model that reads a completion:
     the policy, a distillation teacher, an agency baseline (``model.context_length``; a rotary model gets a note
     instead, and the warm start is one). The sampler checks each prompt's own length (``rollout/hf.py``)."""
-    from polyrl.model import beyond_context, check_context, model_context
+    from polyrl.model import beyond_context, check_context, context_length, model_config
 
     models = {"model": cfg.model, "teacher": cfg.distill.teacher, "agency": cfg.agency.baseline}
     for setting, path in models.items():
-        if path is None:
+        if path is None or (config := model_config(path)) is None:
             continue
-        check_context(1, cfg.max_new_tokens, model_context(path), model=f"{setting} = {str(path)!r}")
-        if (note := beyond_context(path, cfg.max_new_tokens)) is not None:
+        check_context(1, cfg.max_new_tokens, context_length(config), model=f"{setting} = {str(path)!r}")
+        if (note := beyond_context(config, cfg.max_new_tokens)) is not None:
             notes.append(f"{setting}: {note}")
 
 

@@ -139,31 +139,25 @@ def _positions(config) -> int | None:
     return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
 
 
-def beyond_context(model_dir: str | Path, max_new_tokens: int) -> str | None:
-    """A note when ``max_new_tokens`` alone reaches past a rotary model's ``max_position_embeddings`` (positions it
-    was not trained on; a learned table refuses it instead, ``context_length``), else None."""
+def model_config(model_dir: str | Path):
+    """The config of a local model directory, from its config.json alone; None where it cannot be read (loading the
+    model says why, in one line)."""
     from transformers import AutoConfig
 
     try:
-        config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
-    except Exception:  # noqa: BLE001 (loading the model says what is wrong, in one line)
+        return AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    except Exception:  # noqa: BLE001 (a missing or damaged config.json: load_model refuses it with its own line)
         return None
+
+
+def beyond_context(config, max_new_tokens: int) -> str | None:
+    """A note when ``max_new_tokens`` alone reaches past a rotary model's ``max_position_embeddings`` (positions it
+    was not trained on; a learned table refuses it instead, ``context_length``), else None."""
     n = _positions(config)
     if n is None or context_length(config) is not None or max_new_tokens < n:
         return None
     return (f"max_new_tokens = {max_new_tokens} reaches past the {n} positions the model was trained on "
             "(max_position_embeddings): its rotary positions run on untrained")
-
-
-def model_context(model_dir: str | Path) -> int | None:
-    """``context_length`` of a local model directory, from its config.json alone; None where the config cannot be
-    read (loading the model says why, in one line)."""
-    from transformers import AutoConfig
-
-    try:
-        return context_length(AutoConfig.from_pretrained(model_dir, local_files_only=True))
-    except Exception:  # noqa: BLE001 (a missing or damaged config.json: load_model refuses it with its own line)
-        return None
 
 
 def check_context(prompt_tokens: int, max_new_tokens: int, context: int | None, *, prompt: str = "a prompt",

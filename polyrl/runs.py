@@ -157,7 +157,7 @@ def run_lock(run_dir: str | Path, option: str = "run_dir") -> Iterator[None]:
     import fcntl
 
     lock = _beside(run_dir, "lock")
-    made = [p for p in (lock.parent, *lock.parent.parents) if not p.exists()]  # deepest first
+    made = missing_folders(lock.parent)
     while True:
         try:
             lock.parent.mkdir(parents=True, exist_ok=True)
@@ -183,11 +183,7 @@ def run_lock(run_dir: str | Path, option: str = "run_dir") -> Iterator[None]:
         with contextlib.suppress(OSError):
             lock.unlink()
         os.close(fd)
-        for folder in made:  # made only to hold the lock (a refused command): removed while empty
-            try:
-                folder.rmdir()
-            except OSError:
-                break
+        remove_empty(made)  # made only to hold the lock (a refused command)
 
 
 @contextlib.contextmanager
@@ -354,6 +350,25 @@ def check_fits(needs: dict[str, float]) -> None:
                              f"estimate), more than the {have / 2**30:,.1f} GiB of memory of this machine; lower it")
 
 
+def missing_folders(path: str | Path) -> list[Path]:
+    """The folders of ``path``, itself included, that do not exist yet, deepest first (``remove_empty`` takes them
+    back)."""
+    where = Path(path)
+    return [p for p in (where, *where.parents) if not p.exists()]
+
+
+def remove_empty(folders: list[Path]) -> None:
+    """Remove the ``folders`` (deepest first, ``missing_folders``) a command made and left empty; stop at the first
+    that holds something."""
+    for folder in folders:
+        try:
+            folder.rmdir()
+        except FileNotFoundError:  # never made (the command stopped before)
+            continue
+        except OSError:
+            break
+
+
 MAX_SEEDS = 1000  # seeds of a report or comparison, each one training run per method
 
 
@@ -381,14 +396,12 @@ def check_out_dir(path: str | Path, option: str = "--out", *, try_making: bool =
         raise ConfigError(f"{option} = {str(path)!r} is not allowed: {str(blocker)!r} is a file, not a directory")
     if not try_making:
         return
-    made = [p for p in [where, *where.parents] if not p.exists()]  # deepest first
+    made = missing_folders(where)
     try:  # one that cannot be made (a read-only or virtual file system) failed in a traceback later
         where.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise ConfigError(f"{option} = {str(path)!r} cannot be created: {e.strerror or e}") from None
-    for p in made:  # made again when the command writes into it
-        with contextlib.suppress(OSError):
-            p.rmdir()
+    remove_empty(made)  # made again when the command writes into it
 
 
 def _input_paths(inputs: dict[str, Any] | None) -> list[tuple[str, Any, Path]]:

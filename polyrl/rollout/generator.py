@@ -93,8 +93,10 @@ def check_prompts_fit(prompt_ids: list[list[int]], max_new_tokens: int, context:
     exceed the model's ``context`` (``model.context_length``; vLLM's ``max_model_len``)."""
     from polyrl.model import check_context
 
+    if context is None:
+        return
     for ids in prompt_ids:
-        if context is not None and len(ids) + max_new_tokens > context:
+        if len(ids) + max_new_tokens > context:
             shown = tokenizer.decode(ids[:24], skip_special_tokens=True)
             more = "..." if len(ids) > 24 or len(shown) > 40 else ""
             check_context(len(ids), max_new_tokens, context, prompt=f"the prompt {shown[:40]!r}{more}")

@@ -7,7 +7,6 @@ its own subcommand with ``fn`` set, and bad values raise ``ConfigError`` (one li
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
 import importlib
 import sys
@@ -30,19 +29,16 @@ def add_parser(subparsers) -> None:
 def _settled(fn: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
     """Run a tool; however it ends (SIGTERM too), the finished run ``--overwrite`` set aside is deleted or put back
     (``options.settle_out``), and the folders it made for ``--out`` go if they stayed empty."""
-    from polyrl.runs import signals_unwind
+    from polyrl.runs import missing_folders, remove_empty, signals_unwind
     from polyrl.safety.options import settle_out
 
     out = Path(args.out)
-    made = [p for p in (out, *out.parents) if not p.exists()]  # deepest first: folders this command makes
+    made = missing_folders(out)
     with signals_unwind():
         try:
             return fn(args)
         finally:
-            for folder in made:  # a refused or failed run leaves no empty --out behind
-                with contextlib.suppress(OSError):
-                    if folder.is_dir() and not any(folder.iterdir()):
-                        folder.rmdir()
+            remove_empty(made)  # a refused or failed run leaves no empty --out behind
             try:
                 if out.is_dir() and settle_out(out):
                     print(f"polyrl: the run did not finish; the earlier results in {out} are back", file=sys.stderr)
