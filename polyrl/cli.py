@@ -411,6 +411,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
     if not math.isfinite(args.threshold):
         raise ConfigError(f"threshold = {args.threshold} is not allowed: a finite number (a held-out accuracy)")
     per_method = parse_method_args(args.method_args, methods)
+    # every run loads the --plugin modules this command loaded (its presets and parts were checked with them)
+    plugins = tuple(a for m in args.plugin for a in ("--plugin", str(Path(m).resolve()) if m.endswith(".py") else m))
     refuse_run_flags(args.extra, "train flags")  # compare sets these per run: given again, they would win
     for method, flags in per_method.items():
         refuse_run_flags(flags, f"method_args for {method!r}")
@@ -424,7 +426,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
                               "own policy)")
         module = family_module(args.family)
         shared, model = [*(["--task", args.task] if args.task else []), *args.extra], None
-        command, resumable, check = (args.family, "train"), False, module.check_train_flags
+        command, resumable, check = (*plugins, args.family, "train"), False, module.check_train_flags
         args.checkpointed = getattr(module, "checkpointed", None)  # None: its runs restart (flow saves none)
     else:
         shared, model = ["--task", args.task or "addition", *args.extra], args.model
@@ -435,7 +437,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
         flags = OneLineParser(prog="polyrl train", add_help=False)
         flags.raising = True
         add_train_args(flags)
-        command, resumable, check = ("train",), True, check_train_flags(flags.parse_args, model)
+        command, resumable, check = (*plugins, "train"), True, check_train_flags(flags.parse_args, model)
         args.threads_given = threads_given(flags.parse_args, [*shared, "--model", model])
     args.expected = validate_runs(methods, shared, per_method, presets, check=check)
     from polyrl.runs import run_lock, signals_unwind

@@ -11,6 +11,8 @@ from types import ModuleType
 
 from polyrl.errors import Terminated
 
+FILE_MODULE_PREFIX = "_polyrl_file_"  # the module names of .py files run by ``import_module_or_file``
+
 
 def import_module_or_file(name: str) -> ModuleType:
     """Import a dotted module name, or execute a ``.py`` file as a module of its own.
@@ -26,7 +28,7 @@ def import_module_or_file(name: str) -> ModuleType:
         if not path.is_file():
             raise ImportError(f"file {name!r} does not exist")
         where = path.resolve()
-        key = f"_polyrl_file_{hashlib.sha256(str(where).encode()).hexdigest()[:12]}_{path.stem}"
+        key = f"{FILE_MODULE_PREFIX}{hashlib.sha256(str(where).encode()).hexdigest()[:12]}_{path.stem}"
         if key in sys.modules:
             return sys.modules[key]  # executed once per process: a reward file's module-level set-up runs once
         spec = importlib.util.spec_from_file_location(key, where)
@@ -51,3 +53,9 @@ def import_module_or_file(name: str) -> ModuleType:
 def _exited(name: str, e: SystemExit) -> ImportError:
     """A module that calls ``sys.exit`` while it loads would end the whole command silently: an import error instead."""
     return ImportError(f"{name!r} called sys.exit({e.code!r}) while it was imported")
+
+
+def file_modules() -> list[ModuleType]:
+    """The modules this process ran from ``.py`` files. No other process can import them by their private names, so
+    what is sent to one (a plugin task pickled for a Ray rollout worker) must carry their code, not a reference."""
+    return [module for name, module in list(sys.modules.items()) if name.startswith(FILE_MODULE_PREFIX)]

@@ -52,6 +52,29 @@ def compare(tmp_path, *argv: str) -> list[str]:
     return ["compare", "--methods", "grpo", "--seeds", "1", "--out", str(tmp_path / "c"), "--steps", "2", *argv]
 
 
+def test_compare_runs_load_the_plugins_compare_loaded(tmp_path, monkeypatch, tiny_model):
+    """`polyrl --plugin my_parts.py compare ... --trust-region plugin_x` checked the flags with the plugin loaded, then
+    started `polyrl train` runs without it: each failed with "unknown trust_region". Every run now gets --plugin
+    (a file by its absolute path, so it resolves whatever the run's working directory)."""
+    plugin = tmp_path / "my_parts.py"
+    plugin.write_text("from polyrl.registry import TRUST_REGIONS\n\n\n"
+                      "@TRUST_REGIONS.register('plugin_compare_tr')\n"
+                      "def plugin_compare_tr(inp, log_ratio):\n"
+                      "    '''Plain importance-weighted policy gradient.'''\n"
+                      "    return -log_ratio.exp() * inp.adv, {}\n")
+    started = []
+
+    def run_all(specs, **kwargs):
+        started.extend(specs)
+        raise KeyboardInterrupt  # stop there: the runs' command lines are what this test reads
+
+    monkeypatch.setattr("polyrl.lab.compare.run_all", run_all)
+    monkeypatch.chdir(tmp_path)
+    argv = compare(tmp_path, "--model", tiny_model, "--method-args", "grpo=--trust-region plugin_compare_tr")
+    assert main(["--plugin", "my_parts.py", *argv]) == 130
+    assert [spec.args[:3] for spec in started] == [["--plugin", str(plugin.resolve()), "train"]]
+
+
 # 1. compare sets --run-dir, --seed, --method, --resume / --overwrite (and --model, --task) for every run itself
 
 

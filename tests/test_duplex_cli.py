@@ -95,7 +95,7 @@ def test_diverging_run_stops_inone_line(tmp_path, capsys):
     run = tmp_path / "r"
     code, err = cli(capsys, "duplex", "train", "--steps", "3", *TINY, "--lr", "1e30", "--run-dir", str(run))
     assert code == 1
-    one_line(err, "training stopped: non-finite", "lower --lr")
+    one_line(err, "training stopped: non-finite", "lower --lr (1e+30) or --kl-coef (0)")  # each with its value
     assert not run.exists()  # it logged no row: nothing kept, so the corrected command needs no --overwrite
 
 

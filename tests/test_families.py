@@ -87,6 +87,25 @@ def test_the_lab_compares_flow_presets_over_seeds(tmp_path, capsys):
     results = json.loads((out / "results.json").read_text())
     assert set(results["methods"]) == {"flow_grpo", "fpo"} and (out / "report.html").is_file()
     assert json.loads((out / "fpo" / "seed0" / "summary.json").read_text())["method"] == "fpo"
+    # A rerun asking for other settings or parts is refused in one line: its finished runs were kept and reported as
+    # the new command's. The same command keeps them; more steps train a flow run (no checkpoint) again.
+    capsys.readouterr()
+    for extra, named in ((["--lr", "0.01"], "lr = 0.0005, and this compare gives lr = 0.01"),
+                         (["--eta", "0.5"], "'eta': 0.7")):
+        assert main(["compare", "--family", "flow", "--methods", "flow_grpo,fpo", "--seeds", "1", "--out", str(out),
+                     *flags, *extra]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and "seed0 finished with" in err and named in err, err
+    from polyrl.families.flow.cli import check_train_flags
+    from polyrl.lab.compare import plan_runs
+
+    def plan(more: list[str]):
+        expected = {"fpo": check_train_flags(["--method", "fpo", *flags, *more])}
+        return plan_runs(["fpo"], [0], out, [*flags, *more], {}, None, command=("flow", "train"), resumable=False,
+                         expected=expected)
+
+    assert plan([]) == []
+    assert plan(["--steps", "4"])[0].args[-1] == "--overwrite"
 
 
 def test_the_lab_resumes_an_interrupted_family_run_that_saved_a_checkpoint(tmp_path, capsys):

@@ -181,3 +181,16 @@ def test_sizes_past_a_million_samples_are_refused():
     for bad in (dict(groups=10**9), dict(eval_samples=10**12), dict(groups=1001, group_size=1000)):
         with pytest.raises(ValueError, match="at most 1000000 samples at once"):
             validate_config(replace(cfg, **bad))
+
+
+def test_a_diverging_run_names_the_settings_that_scale_its_steps(tmp_path, capsys):
+    """A noise level past what the step log-probs hold makes every loss non-finite: the one-line stop names --eta
+    with its value beside --lr, not the learning rate alone."""
+    from polyrl.cli import main
+
+    argv = ["--task", "reach", "--steps", "3", "--groups", "2", "--group-size", "2", "--eval-samples", "4",
+            "--eta", "1e30", "--run-dir", str(tmp_path / "r")]
+    assert main(["flow", "train", *argv]) == 1
+    err = capsys.readouterr().err
+    assert "non-finite loss at 3 steps in a row" in err and "lower --lr (0.0005) or --eta (1e+30)" in err, err
+    assert err.count("\n") == 1, err

@@ -72,7 +72,10 @@ def test_diverging_run_stops_inone_line(tmp_path, capsys):
     run = tmp_path / "r"
     code, err = cli(capsys, "marl", "train", "--steps", "3", *TINY, "--lr", "1e30", "--run-dir", str(run))
     assert code == 1
-    one_line(err, "training stopped: non-finite", "step 1", "lower --lr")
+    one_line(err, "training stopped: non-finite", "step 1", "lower --lr (1e+30), --entropy-coef")
+    code, err = cli(capsys, "marl", "train", "--steps", "3", *TINY, "--entropy-coef", "3e38", "--run-dir", str(run))
+    assert code == 1
+    one_line(err, "training stopped: non-finite", "step 1", "--entropy-coef (3e+38) or --value-coef (0.5)")
     assert not (run / "summary.json").exists()
 
 

@@ -209,6 +209,28 @@ def test_a_killed_worker_is_restarted_and_its_calls_reissued(cluster, models):
         remote.close()
 
 
+def test_a_task_from_a_plugin_file_reaches_the_workers(cluster, models, tmp_path):
+    """`polyrl --plugin my_task.py train --rollout-workers 1` with a task defined in that file: the file runs under a
+    private module name no worker can import, and its task was pickled by reference, so every actor died in its
+    constructor (ModuleNotFoundError, 8 restarts). Its classes now travel by value and the batches are the local
+    ones."""
+    from polyrl.plugins import import_module_or_file
+
+    plugin = tmp_path / "my_task.py"
+    plugin.write_text("from polyrl.tasks.arithmetic import AdditionTask\n\n\n"
+                      "class PluginAddition(AdditionTask):\n"
+                      "    name = 'plugin_addition'\n")
+    task = import_module_or_file(str(plugin)).PluginAddition()
+    policy, tokenizer = _policy(models[0])
+    local, remote = _remote(models[0], task, policy, tokenizer, 1)
+    params = SamplingParams(n=2, max_new_tokens=4, seed=5)
+    prompts = task.prompts("train", 3, 0)
+    try:
+        _same(local.sample(prompts, params), remote.sample(prompts, params))
+    finally:
+        remote.close()
+
+
 def test_what_ray_could_never_place_or_would_ignore_is_refused_in_one_line(cluster, models):
     spec = WorkerSpec(models[0], AdditionTask())
     weights = lambda: {}  # noqa: E731  (never called: nothing starts)

@@ -118,13 +118,28 @@ def parse_train_flags(argv: list[str], prog: str, add_train_args):
     return args
 
 
+def record_of(record: dict) -> dict:
+    """A run's record as its ``config.json`` reads back (tuples as lists): what `polyrl compare` checks a finished run
+    against."""
+    import json
+
+    return json.loads(json.dumps(record, default=str))
+
+
 @contextmanager
-def diverged(where: str, lr_flag: str = "lr"):
-    """Add where a divergence happened and which learning rate to lower to its one-line TrainingError."""
+def diverged(where: str, scales: dict[str, float]):
+    """Add where a divergence happened, and the settings that scale the loss or the step (flag -> value), to its
+    one-line TrainingError: ``lower --lr (0.001) or --kl-coef (3e+38)``, so the one set too high shows."""
     from polyrl.errors import TrainingError
 
     try:
         yield
     except TrainingError as e:
-        raise TrainingError(f"{e} at {where}; lower --{lr_flag}") from None
+        raise TrainingError(f"{e} at {where}; {lower(scales)}") from None
+
+
+def lower(scales: dict[str, float]) -> str:
+    """``lower --a (1) or --b (2)``: the advice of a divergence message, each setting named with its value."""
+    named = [f"--{flag} ({value:g})" for flag, value in scales.items()]
+    return "lower " + (named[0] if len(named) == 1 else ", ".join(named[:-1]) + " or " + named[-1])
 

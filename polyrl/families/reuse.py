@@ -3,7 +3,7 @@
 A report trains METHOD/seedK under its ``--out`` and, on a rerun, reads back the runs that finished. A finished
 run is reused only when its saved settings are the ones asked for now: otherwise the report would print settings
 its runs were not trained with. ``check_reuse`` refuses such a run before anything trains (``--overwrite``
-retrains it instead).
+retrains it instead); ``check_report_options`` refuses the report options no family's report runs with.
 """
 
 from __future__ import annotations
@@ -40,6 +40,23 @@ def stale_setting(summary: dict[str, Any], cfg) -> str | None:
         if name not in NOT_RESULTS and saved.get(name) != value:
             return f"{name} = {saved.get(name)!r}, not {value!r}"
     return None
+
+
+def check_report_options(out: str, seeds: int, ci: float, given: dict[str, Any]) -> None:
+    """Refuse (ConfigError, one line) what no family report can run with, before its first run trains: an --out that
+    cannot be made, a seed count outside [1, MAX_SEEDS], a level outside (0, 1), a --seed (it trains seeds 0..N-1)."""
+    from polyrl.errors import ConfigError
+    from polyrl.runs import MAX_SEEDS, check_out_dir
+
+    check_out_dir(out)
+    if not 1 <= seeds <= MAX_SEEDS:  # 10^8 checked its seed directories silently for minutes
+        raise ConfigError(f"seeds = {seeds} is not allowed; allowed: an integer in [1, {MAX_SEEDS}] (each seed is a "
+                          "training run)")
+    if not 0 < ci < 1:
+        raise ConfigError(f"ci = {ci} is not allowed; allowed: in (0, 1)")
+    if "seed" in given:
+        raise ConfigError(f"seed = {given['seed']!r} is not allowed in a report: it trains seeds 0..N-1; set their "
+                          "number with --seeds")
 
 
 def check_reuse(cfg, *, seeds: int, out: Path, methods: list[str], overwrite: bool) -> None:

@@ -160,7 +160,8 @@ def plan_runs(methods: list[str], seeds: list[int], out: Path, shared: list[str]
     interrupted run when its ``checkpointed(run_dir)`` says it saved one (q, duplex, marl), else restarts it (flow).
     ``threads``: the flags set the thread count (``threads_given``); else each run gets the cores over ``workers``.
     ``expected``: {method: the record its runs would write} (``validate_runs``); a finished run is checked against it
-    (``finished_run``: kept, resumed for more steps, or refused).
+    (``finished_run``: kept, refused, or asked for more steps: resumed, or for a family that saves no checkpoint
+    (flow) trained again).
     """
     presets = presets or {}
     import os
@@ -176,8 +177,9 @@ def plan_runs(methods: list[str], seeds: list[int], out: Path, shared: list[str]
             done = (run_dir / "summary.json").exists()
             if done and finished_run(run_dir, (expected or {}).get(method)):
                 continue
-            saved = done or (checkpointed(run_dir) if checkpointed is not None else
-                             resumable and latest_checkpoint(run_dir) is not None)
+            # a family without checkpoints (flow) trains a run asked for more steps again from the start
+            saved = (checkpointed(run_dir) if checkpointed is not None else
+                     resumable and (done or latest_checkpoint(run_dir) is not None))
             resume = ["--resume"] if saved else ["--overwrite"]
             args = [*command, "--method", presets.get(method, method), "--seed", str(seed), "--run-dir", str(run_dir),
                     *(["--model", model] if model is not None else []),
@@ -208,9 +210,11 @@ def validate_runs(methods: list[str], shared: list[str], per_method: dict[str, l
 
 def finished_run(run_dir: Path, expected: dict | None) -> bool:
     """Whether the finished run in ``run_dir`` is the one this command asks for: True to keep it, False to resume it
-    for more steps. ``expected``: the run's record as this command would write it (None: not known, kept). A run made
-    with other settings (or fewer steps asked than it ran) is refused in one line: keeping it would report it as
-    this command's. Run control, the seed and settings a resume may change (threads, eval_every...) do not count."""
+    for more steps. ``expected``: the run's record (its ``config.json``) as this command would write it (None: not
+    known, kept): a `polyrl train` run's {"config", "overrides"}, a family run's {"config", "method", "parts"}. A run
+    made with other settings, another preset or other parts (or fewer steps asked than it ran) is refused in one line:
+    keeping it would report it as this command's. Run control, the seed and settings a resume may change (threads,
+    eval_every...) do not count."""
     from polyrl.runs import RESUME_MAY_CHANGE, RUN_CONTROL, effective_config, same_value, saved_record
 
     if expected is None:
@@ -218,9 +222,11 @@ def finished_run(run_dir: Path, expected: dict | None) -> bool:
     saved = effective_config(run_dir) or {}
     differ = {k: [saved[k], v] for k, v in expected["config"].items()
               if k in saved and k not in (*RUN_CONTROL, "seed") and not same_value(saved[k], v)}
-    overrides = (saved_record(run_dir) or {}).get("overrides", {})
-    if overrides != expected["overrides"]:
-        differ["part overrides"] = [overrides, expected["overrides"]]
+    record = saved_record(run_dir) or {}
+    for key, asked in expected.items():  # what defines the method beside the settings
+        had = record.get(key, {} if key == "overrides" else None)
+        if key != "config" and had != asked:
+            differ["part overrides" if key == "overrides" else key] = [had, asked]
     steps = differ.pop("steps", None)
     differ = {k: v for k, v in differ.items() if k not in RESUME_MAY_CHANGE}
     if steps is not None and steps[1] < steps[0]:

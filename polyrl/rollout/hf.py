@@ -278,6 +278,6 @@ def _pick(logits: Tensor, params: SamplingParams, u: Tensor) -> tuple[Tensor, Te
     chosen = logprobs.gather(-1, token.clamp(max=logprobs.shape[-1] - 1)[:, None]).squeeze(1)
     if bad or bool(torch.isnan(chosen).any()):
         raise TrainingError(f"the policy's next-token distribution is nan while sampling at temperature "
-                            f"{params.temperature:g}: the weights diverged (lower --lr) or the temperature is too "
-                            "small")
+                            f"{params.temperature:g}: the weights diverged (lower the learning rate) or the "
+                            "temperature is too small")
     return token, chosen, logprobs

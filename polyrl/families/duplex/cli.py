@@ -19,7 +19,7 @@ from rich.console import Console
 from rich.table import Table
 
 from polyrl.config import ConfigError
-from polyrl.families import family_config, flag_values, parse_train_flags
+from polyrl.families import family_config, flag_values, parse_train_flags, record_of
 from polyrl.families.duplex import HELP as DUPLEX_HELP
 
 console = Console() if sys.stdout.isatty() else Console(width=200)
@@ -56,6 +56,11 @@ def _method(args: argparse.Namespace, default: str = "grpo", advantage: str | No
 def _parts(method) -> dict:
     """What defines the method beyond its name (an --advantage override keeps the preset's name)."""
     return {"kind": method.kind, "advantage": None if method.advantage is None else str(method.advantage)}
+
+
+def _record(cfg, method) -> dict:
+    """The run's record (its ``config.json``): settings, preset and its parts."""
+    return {"config": asdict(cfg), "method": method.name, "parts": _parts(method)}
 
 
 def resume_settings(args: argparse.Namespace, run_dir: str):
@@ -112,7 +117,7 @@ def _train(args: argparse.Namespace, cfg, method, run_dir: str) -> int:
         record_resume(run_dir, meta["step"], f"checkpoints/{path.name}", changes)
     where = (contextlib.nullcontext(run_dir) if args.resume else
              new_run(run_dir, overwrite=args.overwrite, inputs=vars(args),
-                     record={"config": asdict(cfg), "method": method.name, "parts": _parts(method)}))
+                     record=_record(cfg, method)))
     with where as run:
         console.print(f"duplex method: {method.name} ({method.kind}, advantage {method.advantage})")
         s = train_duplex(cfg, method, run_dir=run, resume=args.resume, console=console)
@@ -131,17 +136,10 @@ def cmd_duplex_report(args: argparse.Namespace) -> int:
     from polyrl.families.duplex.methods import get_duplex_method
     from polyrl.families.duplex.report import write_duplex_report
     from polyrl.families.duplex.train import check_method_settings
-    from polyrl.runs import MAX_SEEDS, check_out_dir, run_lock, signals_unwind
+    from polyrl.families.reuse import check_report_options
+    from polyrl.runs import run_lock, signals_unwind
 
-    check_out_dir(args.out)
-    if not 1 <= args.seeds <= MAX_SEEDS:  # 10^8 checked its seed directories silently for minutes
-        raise ConfigError(f"seeds = {args.seeds} is not allowed; allowed: an integer in [1, {MAX_SEEDS}] (each seed is "
-                          "a training run)")
-    if not 0 < args.ci < 1:
-        raise ConfigError(f"ci = {args.ci} is not allowed; allowed: in (0, 1)")
-    if "seed" in _given(args):
-        raise ConfigError(f"seed = {_given(args)['seed']!r} is not allowed in a report: it trains seeds 0..N-1; "
-                          "set their number with --seeds")
+    check_report_options(args.out, args.seeds, args.ci, _given(args))
     cfg = _train_config(args)
     try:  # as `duplex train` checks them: GRPO's run reads every setting the imitation baseline's does
         check_method_settings(get_duplex_method("grpo"), _given(args))
@@ -208,11 +206,11 @@ def checkpointed(run_dir) -> bool:
     return latest_checkpoint(run_dir) is not None and (Path(run_dir) / "config.json").is_file()
 
 
-def check_train_flags(argv: list[str]) -> None:
-    """Resolve `polyrl duplex train` flags without running: ConfigError/PartError in one line (`polyrl compare`)."""
+def check_train_flags(argv: list[str]) -> dict:
+    """Resolve `polyrl duplex train` flags without running: ConfigError/PartError in one line (`polyrl compare`,
+    which checks a finished run against the record returned)."""
     args = parse_train_flags(argv, "polyrl duplex train", add_train_args)
-    _train_config(args)
-    _method(args)
+    return record_of(_record(_train_config(args), _method(args)))
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:

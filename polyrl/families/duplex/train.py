@@ -318,11 +318,11 @@ def train_duplex(cfg: DuplexTrainConfig, method: DuplexMethod, *, run_dir: str |
         opt = torch.optim.Adam(policy.parameters(), lr=cfg.imitation_lr)
         bc_loss = math.nan
         for i in range(cfg.imitation_steps):
-            with diverged(f"imitation step {i + 1}", "imitation-lr"):
+            with diverged(f"imitation step {i + 1}", {"imitation-lr": cfg.imitation_lr}):
                 bc_loss = imitation_step(policy, opt, cfg, rng)
         ref.load_state_dict(policy.state_dict())
         opt = torch.optim.Adam(policy.parameters(), lr=cfg.lr if method.kind == "rl" else cfg.imitation_lr)
-        with diverged("the end of the imitation phase", "imitation-lr"):
+        with diverged("the end of the imitation phase", {"imitation-lr": cfg.imitation_lr}):
             before = evaluate(policy, cfg)
         natural = natural_metrics(cfg)
         history = []
@@ -334,11 +334,12 @@ def train_duplex(cfg: DuplexTrainConfig, method: DuplexMethod, *, run_dir: str |
                         state={"step": step, "before": before, "natural": natural, "bc_loss": bc_loss,
                                "np_generator": rng.bit_generator.state, "torch_generator": g.get_state()})
 
-    lr_flag = "lr" if method.kind == "rl" else "imitation-lr"
+    scales = ({"lr": cfg.lr, "kl-coef": cfg.kl_coef} if method.kind == "rl"  # what the loss and step scale by
+              else {"imitation-lr": cfg.imitation_lr})
     try:
         for step in range(start + 1, cfg.steps + 1):
             t0 = time.perf_counter()
-            with diverged(f"step {step}", lr_flag):
+            with diverged(f"step {step}", scales):
                 metrics = (rl_step(policy, ref, opt, cfg, method, rng, g) if method.kind == "rl"
                            else imitation_extra_step(policy, opt, cfg, rng, g))
             metrics["perf/step_seconds"] = time.perf_counter() - t0
@@ -347,7 +348,7 @@ def train_duplex(cfg: DuplexTrainConfig, method: DuplexMethod, *, run_dir: str |
                 save(step)
     finally:
         logger.close()
-    with diverged(f"the final evaluation (step {cfg.steps})", lr_flag):
+    with diverged(f"the final evaluation (step {cfg.steps})", scales):
         after = evaluate(policy, cfg)  # before the final save: a diverged policy is not saved as the run's end
     save(cfg.steps)
     rows = [r for r in logger.history if "perf/step_seconds" in r]

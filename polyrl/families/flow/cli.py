@@ -15,7 +15,7 @@ from rich.console import Console
 from rich.table import Table
 
 from polyrl.config import ConfigError
-from polyrl.families import family_config, flag_values, parse_train_flags
+from polyrl.families import family_config, flag_values, parse_train_flags, record_of
 from polyrl.families.flow import HELP as FLOW_HELP
 
 console = Console() if sys.stdout.isatty() else Console(width=200)
@@ -53,10 +53,10 @@ def cmd_flow_train(args: argparse.Namespace) -> int:
     from polyrl.runs import new_run
 
     cfg, method = _resolve(args)
-    parts = {"advantage": str(method.advantage), "loss": str(method.loss), "schedule": method.schedule,
-             "eta": method.eta, "reduce": method.reduce, "cfm_samples": method.cfm_samples}
+    record = _record(cfg, method)
+    parts = record["parts"]
     with new_run(args.run_dir or f"runs/flow/{method.name}-{cfg.task}-s{cfg.seed}", overwrite=args.overwrite,
-                 inputs=vars(args), record={"config": asdict(cfg), "method": method.name, "parts": parts}) as run_dir:
+                 inputs=vars(args), record=record) as run_dir:
         console.print(f"flow method: {method.name} = " + "; ".join(f"{k} {v}" for k, v in parts.items()))
         s = train_flow(cfg, method, run_dir=run_dir, console=console)
     if s.get("pretrained"):
@@ -130,12 +130,20 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
                    "losses tagged cfm (fpo)")
 
 
-def check_train_flags(argv: list[str]) -> None:
+def _record(cfg, method) -> dict:
+    """The run's record (its ``config.json``): settings, preset and the parts that define it."""
+    parts = {"advantage": str(method.advantage), "loss": str(method.loss), "schedule": method.schedule,
+             "eta": method.eta, "reduce": method.reduce, "cfm_samples": method.cfm_samples}
+    return {"config": asdict(cfg), "method": method.name, "parts": parts}
+
+
+def check_train_flags(argv: list[str]) -> dict:
     """Resolve `polyrl flow train` flags (settings and method) without running: ConfigError/PartError in one line.
 
-    `polyrl compare --family flow` checks every method's flags with this before the first run starts.
+    `polyrl compare --family flow` checks every method's flags with this before the first run starts, and a finished
+    run against the record returned (``record_of``).
     """
-    _resolve(parse_train_flags(argv, "polyrl flow train", add_train_args))
+    return record_of(_record(*_resolve(parse_train_flags(argv, "polyrl flow train", add_train_args))))
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:

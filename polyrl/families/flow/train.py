@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from polyrl.errors import TrainingError
+from polyrl.families import lower
 from polyrl.families.flow.losses import FLOW_LOSSES, FlowLossInputs, fpo_cfm_losses, step_kl
 from polyrl.families.flow.methods import FlowMethod
 from polyrl.families.flow.policy import VelocityMLP, pretrain
@@ -203,7 +204,8 @@ def train_flow(cfg: FlowTrainConfig, method: FlowMethod, *, run_dir: str | Path,
             if not math.isfinite(metrics["objective/loss"]):
                 bad += 1
                 if bad >= 3:
-                    raise TrainingError(f"non-finite loss at {bad} steps in a row (step {step}); lower --lr")
+                    raise TrainingError(f"non-finite loss at {bad} steps in a row (step {step}); "
+                                        f"{lower({'lr': cfg.lr, 'eta': method.eta})}")
             else:
                 bad = 0
             metrics["perf/step_seconds"] = time.perf_counter() - t0

@@ -20,7 +20,7 @@ from rich.console import Console
 from rich.table import Table
 
 from polyrl.config import ConfigError
-from polyrl.families import family_config, flag_values, parse_train_flags
+from polyrl.families import family_config, flag_values, parse_train_flags, record_of
 from polyrl.families.marl import HELP as MARL_HELP
 
 console = Console() if sys.stdout.isatty() else Console(width=200)
@@ -98,11 +98,9 @@ def _train(args: argparse.Namespace) -> int:
     else:
         cfg = _build(given)
         method = get_marl_method(args.method or "mappo")
-    parts = {"critic": method.critic, "advantage": "gae", "trust_region": "clip", "aggregation": "token_mean",
-             "value_loss": "clipped_value_loss"}
     where = (contextlib.nullcontext(run_dir) if args.resume else
              new_run(args.run_dir or f"runs/marl/{method.name}-s{cfg.seed}", overwrite=args.overwrite,
-                     inputs=vars(args), record={"config": asdict(cfg), "method": method.name, "parts": parts}))
+                     inputs=vars(args), record=_record(cfg, method)))
     with where as run_dir:
         console.print(f"marl method: {method.name} (critic {method.critic}); teams {cfg.teams}, "
                       f"{cfg.envs} episodes x {cfg.horizon} steps per batch")
@@ -144,19 +142,12 @@ def report_methods(text: str) -> list[str]:
 def cmd_marl_report(args: argparse.Namespace) -> int:
     """Check every report option before the first run trains (a bad one fails in one line, not after training)."""
     from polyrl.families.marl.report import run_report
-    from polyrl.runs import MAX_SEEDS, check_out_dir, run_lock, signals_unwind
+    from polyrl.families.reuse import check_report_options
+    from polyrl.runs import run_lock, signals_unwind
 
-    check_out_dir(args.out)
-    if not 1 <= args.seeds <= MAX_SEEDS:  # 10^8 checked its seed directories silently for minutes
-        raise ConfigError(f"seeds = {args.seeds} is not allowed; allowed: an integer in [1, {MAX_SEEDS}] (each seed is "
-                          "a training run)")
-    if not 0 < args.ci < 1:
-        raise ConfigError(f"ci = {args.ci} is not allowed; allowed: in (0, 1)")
-    methods = report_methods(args.methods)
     given = _given(args)
-    if "seed" in given:
-        raise ConfigError(f"seed = {given['seed']!r} is not allowed in a report: it trains seeds 0..N-1; set their "
-                          "number with --seeds")
+    check_report_options(args.out, args.seeds, args.ci, given)
+    methods = report_methods(args.methods)
     cfg = _build(given)
     with signals_unwind(), run_lock(args.out, "out"):  # a second report on --out deleted this one's runs
         paths = run_report(cfg, seeds=args.seeds, out=Path(args.out), methods=methods, console=console, ci=args.ci,
@@ -184,13 +175,20 @@ def checkpointed(run_dir: Path) -> bool:
     return (Path(run_dir) / "checkpoint.pt").is_file() and (Path(run_dir) / "config.json").is_file()
 
 
-def check_train_flags(argv: list[str]) -> None:
-    """Resolve `polyrl marl train` flags without running (ConfigError in one line); used by `polyrl compare`."""
+def _record(cfg, method) -> dict:
+    """The run's record (its ``config.json``): settings, preset and its parts."""
+    parts = {"critic": method.critic, "advantage": "gae", "trust_region": "clip", "aggregation": "token_mean",
+             "value_loss": "clipped_value_loss"}
+    return {"config": asdict(cfg), "method": method.name, "parts": parts}
+
+
+def check_train_flags(argv: list[str]) -> dict:
+    """Resolve `polyrl marl train` flags without running (ConfigError in one line); used by `polyrl compare`, which
+    checks a finished run against the record returned."""
     args = parse_train_flags(argv, "polyrl marl train", add_train_args)
     from polyrl.families.marl.methods import get_marl_method
 
-    _build(_given(args))
-    get_marl_method(args.method or "mappo")
+    return record_of(_record(_build(_given(args)), get_marl_method(args.method or "mappo")))
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:

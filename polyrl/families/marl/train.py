@@ -295,17 +295,18 @@ def train_marl(cfg: MarlTrainConfig, method: MarlMethod, *, run_dir: str | Path,
     dist = train_dist(cfg)
     logger = RunLogger(run_dir, tensorboard=cfg.tensorboard, console=console, table_every=table_every,
                        history=history)
+    scales = {"lr": cfg.lr, "entropy-coef": cfg.entropy_coef, "value-coef": cfg.value_coef}  # what a loss scales by
     try:
         for step in range(start + 1, cfg.steps + 1):
             t0 = time.perf_counter()
-            with diverged(f"step {step}"):
+            with diverged(f"step {step}", scales):
                 batch = rollout(agent, cfg, dist, cfg.envs, g)
                 metrics = update(agent, opt, batch, cfg, g)
             metrics.update({"reward/mean": batch["reward"].mean().item(),
                             "train/success": batch["success"].float().mean().item(),
                             "train/margin": batch["margin"].mean().item()})
             if step % cfg.eval_every == 0 or step == cfg.steps:
-                with diverged(f"step {step}"):
+                with diverged(f"step {step}", scales):
                     metrics.update(evaluate_all(agent, cfg, dist))
             metrics["perf/step_seconds"] = time.perf_counter() - t0
             logger.log(step, metrics)

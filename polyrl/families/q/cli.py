@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.table import Table
 
 from polyrl.config import ConfigError
-from polyrl.families import parse_train_flags
+from polyrl.families import parse_train_flags, record_of
 from polyrl.families.q import HELP as Q_HELP
 
 console = Console() if sys.stdout.isatty() else Console(width=200)
@@ -83,10 +83,9 @@ def _train(args: argparse.Namespace) -> int:
         step = load_checkpoint(args.run_dir)["step"]
         check_resume_steps(cfg.steps, step, args.run_dir)  # fewer steps than done: refused before anything is written
         record_resume(args.run_dir, step, CHECKPOINT, changes)
-    parts = {"target_mode": method.target_mode, "period": method.period, "lam": method.lam}
     where = (contextlib.nullcontext(Path(args.run_dir)) if args.resume else
              new_run(args.run_dir or f"runs/q/{method.name}-{cfg.task}-s{cfg.seed}", overwrite=args.overwrite,
-                     inputs=vars(args), record={"config": asdict(cfg), "method": method.name, "parts": parts}))
+                     inputs=vars(args), record=_record(cfg, method)))
     with where as run_dir:
         console.print(f"q method: {method.name} = target_mode {method.target_mode}; period {method.period}; "
                       f"lam {method.lam}")
@@ -162,11 +161,19 @@ def checkpointed(run_dir: Path) -> bool:
     return (Path(run_dir) / CHECKPOINT).is_file() and (Path(run_dir) / "config.json").is_file()
 
 
-def check_train_flags(argv: list[str]) -> None:
-    """Resolve `polyrl q train` flags without running (ConfigError in one line); used by `polyrl compare --family q`."""
+def _record(cfg, method) -> dict:
+    """The run's record (its ``config.json``): settings, preset and its target rule."""
+    parts = {"target_mode": method.target_mode, "period": method.period, "lam": method.lam}
+    return {"config": asdict(cfg), "method": method.name, "parts": parts}
+
+
+def check_train_flags(argv: list[str]) -> dict:
+    """Resolve `polyrl q train` flags without running (ConfigError in one line); used by `polyrl compare --family q`,
+    which checks a finished run against the record returned."""
     args = parse_train_flags(argv, "polyrl q train", add_train_args)
     args.resume = False
-    resolve_train(args)
+    cfg, method, _ = resolve_train(args)
+    return record_of(_record(cfg, method))
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from torch import Tensor
 
 from polyrl.errors import ConfigError, TrainingError
+from polyrl.plugins import file_modules
 from polyrl.rollout.episodes import Episode
 from polyrl.rollout.generator import SamplingParams
 from polyrl.rollout.remote.worker import RolloutWorker, WorkerReply, WorkerSpec
@@ -70,6 +71,8 @@ class WorkerPool:
         if self.owns_ray:
             _start_ray(address, cpus or max(os.cpu_count() or 1, workers), gpus_per_worker)  # cpus: checked >= workers
         _check_resources(ray.cluster_resources(), workers, gpus_per_worker)
+        for module in file_modules():  # a task from a --plugin file.py: its classes travel by value
+            ray.cloudpickle.register_pickle_by_value(module)
         actor = ray.remote(RolloutWorker).options(max_restarts=MAX_RESTARTS, max_task_retries=MAX_RESTARTS,
                                                   num_cpus=1, num_gpus=gpus_per_worker)
         self.actors = [actor.remote(spec) for _ in range(workers)]
