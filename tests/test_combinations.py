@@ -38,9 +38,20 @@ def _combinations():
                                        marks=[pytest.mark.slow] if mode == "async" else [])
 
 
+@pytest.fixture(scope="module")
+def shared_ray():
+    """One local Ray instance for this module's asynchronous runs: each run's rollout worker joins it instead of
+    starting and stopping an instance of its own (about 4 s a run; starting one is what tests/test_rollout_workers_
+    train.py checks)."""
+    ray = pytest.importorskip("ray")
+    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
 @pytest.mark.parametrize("name,sampler,mode,placement", list(_combinations()))
-def test_every_combination_trains_with_its_parts_active_or_is_refused(tiny_model, tmp_path, name, sampler, mode,
-                                                                      placement):
+def test_every_combination_trains_with_its_parts_active_or_is_refused(tiny_model, tmp_path, request, name, sampler,
+                                                                      mode, placement):
     argv = ["--method", name, "--model", tiny_model, "--sampler", sampler, "--reward-funcs", CHANNELS,
             "--steps", "2", "--prompts-per-step", "2", "--group-size", "4", "--max-new-tokens", "4",
             "--eval-prompts", "4", "--eval-every", "0", "--checkpoint-every", "0", "--no-tensorboard",
@@ -54,6 +65,8 @@ def test_every_combination_trains_with_its_parts_active_or_is_refused(tiny_model
     except (ConfigError, PartError) as e:  # refused before anything is loaded: one line naming a setting
         assert "\n" not in str(e) and " = " in str(e) or "--" in str(e), str(e)
         return
+    if mode == "async":
+        request.getfixturevalue("shared_ray")
     summary = train(plan.cfg, plan.method, model_dir=tiny_model, task=plan.task, run_dir=str(tmp_path),
                     console=QUIET)
     assert summary["steps"] == 2

@@ -346,6 +346,8 @@ def test_sigterm_unwinds_the_command_like_ctrl_c_and_nohup_still_holds():
     finally:
         signal.signal(signal.SIGTERM, outside)
     previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)  # as under nohup
+    # Python's own Ctrl-C handler to start from (a process started in a shell's background inherits SIGINT ignored)
+    interrupt = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         with _signals_unwind():
             signal.signal(signal.SIGINT, signal.SIG_IGN)  # as torch.distributed.run's launcher changes it
@@ -354,6 +356,7 @@ def test_sigterm_unwinds_the_command_like_ctrl_c_and_nohup_still_holds():
         assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # put back
     finally:
         signal.signal(signal.SIGHUP, previous)
+        signal.signal(signal.SIGINT, interrupt)
 
 
 def test_an_old_run_left_aside_by_a_killed_command_is_put_back_or_dropped(tmp_path):
