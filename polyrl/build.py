@@ -619,9 +619,9 @@ def _tree_source(cfg: TrainConfig, learner, generator, runner, rewards, sampling
 
 
 def _cores(cfg: TrainConfig) -> int:
-    import os
+    from polyrl.runs import cores
 
-    return cfg.threads or os.cpu_count() or 1
+    return cfg.threads or cores()
 
 
 def _generator_threads(cfg: TrainConfig) -> int:

@@ -124,7 +124,7 @@ class TrainConfig:
     seed: int = 0
     """seed for sampling, data order and initialisation"""
     threads: int = 0
-    """torch CPU threads (0 = all cores)"""
+    """torch CPU threads (0 = every core this process may run on: its CPU affinity)"""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """model dtype"""
     fp32_lm_head: bool = False

@@ -16,7 +16,6 @@ the rollout sampler also uses, so log-probs recomputed at the rollout weights eq
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -27,6 +26,7 @@ from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
 from polyrl.errors import ConfigError
+from polyrl.runs import cores
 from polyrl.shared_prompt import distinct_prompts, shared_prompt_states
 
 DType = Literal["float32", "bfloat16", "float16", "float64"]
@@ -101,7 +101,7 @@ def load_policy(model_dir: str | Path, *, dtype: DType = "float32", threads: int
     """Load a causal LM and its tokenizer from a local directory (nothing is downloaded).
 
     Returns ``(model, tokenizer)``; the model is in eval mode. ``threads`` sets
-    ``torch.set_num_threads`` for the process (default: the machine's CPU count).
+    ``torch.set_num_threads`` for the process (default: the cores it may run on, ``runs.cores``).
     Raises ``ModelDirError`` (a ``ConfigError`` and a ``FileNotFoundError``) naming ``setting`` and the path when
     the directory, its config.json or its tokenizer is missing, and ``ConfigError`` (one line naming ``setting``, the
     directory and the library's complaint) when one of them cannot be loaded: a damaged config.json or tokenizer,
@@ -112,7 +112,7 @@ def load_policy(model_dir: str | Path, *, dtype: DType = "float32", threads: int
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     if threads is not None and threads < 1:
         raise ValueError(f"threads must be >= 1, got {threads}")
-    torch.set_num_threads(threads if threads is not None else (os.cpu_count() or 1))
+    torch.set_num_threads(threads if threads is not None else cores())
     tokenizer = load_tokenizer(path, setting=setting)
     model = load_model(path, dtype=DTYPES[dtype], setting=setting)
     model.eval()

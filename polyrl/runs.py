@@ -372,10 +372,19 @@ def remove_empty(folders: list[Path]) -> None:
 MAX_SEEDS = 1000  # seeds of a report or comparison, each one training run per method
 
 
+def cores() -> int:
+    """The cores this process may run on: its CPU affinity (a cpuset from taskset, Slurm or docker --cpuset-cpus),
+    not every core of the machine, so that threads sized from it never oversubscribe the cores it was given."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except AttributeError:  # no affinity on this platform (macOS)
+        return os.cpu_count() or 1
+
+
 def max_threads() -> int:
     """The most CPU threads a command may ask for: 4 per core. More only oversubscribe the cores (duplex at 2,000
     threads on 2 cores ran 7x slower than at 64), and tens of thousands failed to start or crashed the process."""
-    return 4 * (os.cpu_count() or 1)
+    return 4 * cores()
 
 
 def check_out_dir(path: str | Path, option: str = "--out", *, try_making: bool = True) -> None:

@@ -167,7 +167,7 @@ def test_compare_keeps_a_thread_count_given_in_any_form(tmp_path, monkeypatch, t
     own count, appended after them."""
     seen = []
     monkeypatch.setattr("polyrl.lab.compare.run_all", lambda specs, **k: seen.extend(specs) or [])
-    monkeypatch.setattr("os.cpu_count", lambda: 4)
+    monkeypatch.setattr("polyrl.runs.cores", lambda: 4)
     (tmp_path / "run.toml").write_text(toml + "\n")
     main(compare(tmp_path, "--model", tiny_model, "--workers", "2", "--config", str(tmp_path / "run.toml"), *extra))
     from polyrl.cli import build_parser
@@ -472,7 +472,7 @@ def test_an_out_that_cannot_be_made_or_is_in_use_is_refused_in_one_line(tmp_path
 def test_more_threads_than_four_per_core_are_refused_before_any_work(tmp_path, capsys, monkeypatch, argv):
     """``--threads 100000`` crashed duplex, marl and the safety tools (a segfault, libgomp failing to start
     threads, an overflow traceback); thousands crawled. At most 4 per core, here 2 cores."""
-    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    monkeypatch.setattr("polyrl.runs.cores", lambda: 2)
     out = tmp_path / "out"
     flag = "--out" if argv[0] == "safety" else "--run-dir"
     assert main([*argv, flag, str(out), "--threads", "9"]) == 2

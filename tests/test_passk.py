@@ -60,7 +60,7 @@ def test_worst_after_start_leaves_out_step_zero():
 
 
 def test_maxrl_passk_end_to_end_micro(tmp_path, monkeypatch):
-    monkeypatch.setattr("os.cpu_count", lambda: 1)  # its runs take one thread each: `make test` runs two workers
+    monkeypatch.setattr("polyrl.runs.cores", lambda: 1)  # its runs take one thread each: `make test` runs two workers
     res = run_evidence(["maxrl_passk"], Budget(1, 2), workers=1, out=tmp_path, registry=CLAIMS)
     c = res["claims"]["maxrl_passk"]
     for arm in ("grpo", "maxrl"):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import shutil
 
 import pytest
@@ -298,3 +299,18 @@ def test_resuming_from_an_older_checkpoint_sets_the_newer_branch_aside(tiny_mode
     names = sorted(p.name for p in (run / "checkpoints").iterdir())
     assert "superseded_step_000003" in names and "step_000003" in names  # the old branch kept, the new one saved
     assert _step_rows(run) == [1, 2, 3]
+
+
+def test_threads_follow_the_cores_the_process_may_run_on(tiny_model):
+    """A process given one core of two (taskset, a Slurm or docker cpuset) sized torch to every core of the machine
+    (os.cpu_count), oversubscribing the one it had; it now counts the cores of its affinity."""
+    import subprocess
+    import sys
+
+    if not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs CPU affinity and two cores")
+    code = ("import os; os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}); import torch; "
+            "from polyrl.model import load_policy; from polyrl.runs import cores, max_threads; "
+            f"load_policy({tiny_model!r}); print(cores(), max_threads(), torch.get_num_threads())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.split() == ["1", "4", "1"], out.stderr[-2000:]

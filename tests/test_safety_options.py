@@ -72,7 +72,7 @@ def _float_options(tools, tool: str) -> list[str]:
 # ---------------------------------------------------------------------------------------------- finding 1
 @pytest.mark.parametrize("tool", list(TOOLS))
 def test_threads_below_one_or_above_four_per_core_are_refused_by_every_tool(tools, tool, monkeypatch):
-    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    monkeypatch.setattr("polyrl.runs.cores", lambda: 2)
     for threads in ("0", "9", "99999999999"):  # the last was an overflow traceback, 100000 a segfault
         with pytest.raises(ConfigError, match=rf"^--threads = {threads}: must be an integer in \[1, 8\] \(4 per"):
             _validate(tool, _parse(tools, tool, ["--threads", threads]))

@@ -164,12 +164,11 @@ def plan_runs(methods: list[str], seeds: list[int], out: Path, shared: list[str]
     (flow) trained again).
     """
     presets = presets or {}
-    import os
-
     from polyrl.checkpoint import latest_checkpoint
+    from polyrl.runs import cores
 
     if resumable and not threads:  # split the cores between concurrent runs, not oversubscribe them
-        shared = [*shared, "--threads", str(max(1, (os.cpu_count() or 1) // max(1, workers)))]
+        shared = [*shared, "--threads", str(max(1, cores() // max(1, workers)))]
     specs = []
     for method in methods:
         for seed in seeds:

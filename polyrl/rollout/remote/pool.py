@@ -34,6 +34,7 @@ from polyrl.plugins import file_modules
 from polyrl.rollout.episodes import Episode
 from polyrl.rollout.generator import SamplingParams
 from polyrl.rollout.remote.worker import RolloutWorker, WorkerReply, WorkerSpec
+from polyrl.runs import cores
 
 MAX_RESTARTS = 8  # per actor: Ray restarts a dead actor and re-issues its in-flight calls this many times
 REPLY_TIMEOUT_S = 3600.0  # a call that takes longer than this is a hang, not a slow batch
@@ -69,7 +70,7 @@ class WorkerPool:
             raise WorkerError(f"Ray is already running in this process, so ray_address = {address!r} and ray_cpus = "
                               f"{cpus} would be ignored; leave them out to use it, or run polyrl in its own process")
         if self.owns_ray:
-            _start_ray(address, cpus or max(os.cpu_count() or 1, workers), gpus_per_worker)  # cpus: checked >= workers
+            _start_ray(address, cpus or max(cores(), workers), gpus_per_worker)  # cpus: checked >= workers
         _check_resources(ray.cluster_resources(), workers, gpus_per_worker)
         for module in file_modules():  # a task from a --plugin file.py: its classes travel by value
             ray.cloudpickle.register_pickle_by_value(module)
