@@ -330,8 +330,8 @@ def validate(config: TrainConfig) -> None:
         _rule(name, v, v >= 0, "must be an integer >= 0")
     _rule("seed", cfg.seed, 0 <= cfg.seed < 2**32, "must be an integer in [0, 2**32)")
     _rule("threads", cfg.threads, cfg.threads <= max_threads(),
-          f"must be an integer in [0, {max_threads()}] (0 = all cores; at most 4 per core of this machine; a run "
-          "recorded with more, resumed here, takes --threads)")
+          f"must be an integer in [0, {max_threads()}] (0 = every core this process may run on; at most 4 per core; "
+          "a run recorded with more, resumed here, takes --threads)")
     _rule("train_prompts", cfg.train_prompts, cfg.train_prompts <= 10**7,  # the pool is built before step 1
           "must be an integer in [0, 10000000] (0 = the whole train split)")
     rollouts = cfg.prompts_per_step * cfg.group_size  # one step's batch is generated and held at once

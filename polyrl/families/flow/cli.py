@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import asdict
 
 from rich.console import Console
 from rich.table import Table
@@ -49,11 +48,11 @@ def _resolve(args: argparse.Namespace):
 
 
 def cmd_flow_train(args: argparse.Namespace) -> int:
-    from polyrl.families.flow.train import train_flow
+    from polyrl.families.flow.train import run_record, train_flow
     from polyrl.runs import new_run
 
     cfg, method = _resolve(args)
-    record = _record(cfg, method)
+    record = run_record(cfg, method)
     parts = record["parts"]
     with new_run(args.run_dir or f"runs/flow/{method.name}-{cfg.task}-s{cfg.seed}", overwrite=args.overwrite,
                  inputs=vars(args), record=record) as run_dir:
@@ -130,20 +129,15 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
                    "losses tagged cfm (fpo)")
 
 
-def _record(cfg, method) -> dict:
-    """The run's record (its ``config.json``): settings, preset and the parts that define it."""
-    parts = {"advantage": str(method.advantage), "loss": str(method.loss), "schedule": method.schedule,
-             "eta": method.eta, "reduce": method.reduce, "cfm_samples": method.cfm_samples}
-    return {"config": asdict(cfg), "method": method.name, "parts": parts}
-
-
 def check_train_flags(argv: list[str]) -> dict:
     """Resolve `polyrl flow train` flags (settings and method) without running: ConfigError/PartError in one line.
 
     `polyrl compare --family flow` checks every method's flags with this before the first run starts, and a finished
     run against the record returned (``record_of``).
     """
-    return record_of(_record(*_resolve(parse_train_flags(argv, "polyrl flow train", add_train_args))))
+    from polyrl.families.flow.train import run_record
+
+    return record_of(run_record(*_resolve(parse_train_flags(argv, "polyrl flow train", add_train_args))))
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:

@@ -91,6 +91,14 @@ def validate_config(cfg: FlowTrainConfig) -> None:
 TRAIN_BYTES, CFM_BYTES, EVAL_BYTES = 4096, 4096, 1536
 
 
+def run_record(cfg: FlowTrainConfig, method: FlowMethod) -> dict[str, Any]:
+    """What defines a run: its settings, preset and the parts that define it (its ``config.json``, and the same keys
+    in ``summary.json``)."""
+    parts = {"advantage": str(method.advantage), "loss": str(method.loss), "schedule": method.schedule,
+             "eta": method.eta, "reduce": method.reduce, "cfm_samples": method.cfm_samples}
+    return {"config": asdict(cfg), "method": method.name, "parts": parts}
+
+
 def check_memory(cfg: FlowTrainConfig, method: FlowMethod) -> None:
     """Refuse (ValueError, one line) sizes that would not fit in this machine's memory (``runs.check_fits``)."""
     horizon = getattr(get_task(cfg.task), "horizon", 1)
@@ -222,10 +230,7 @@ def train_flow(cfg: FlowTrainConfig, method: FlowMethod, *, run_dir: str | Path,
                "reward_after": after["reward"], "kl_before": before["kl"], "kl_after": after["kl"],
                "steps": cfg.steps, "updates_per_batch": cfg.updates_per_batch, "wall_seconds": wall,
                "seconds_per_step": sum(r["perf/step_seconds"] for r in logger.history) / cfg.steps,
-               "config": asdict(cfg), "parts": {"advantage": str(method.advantage), "loss": str(method.loss),
-                                                "schedule": method.schedule, "eta": method.eta,
-                                                "reduce": method.reduce, "cfm_samples": method.cfm_samples},
-               **info}
+               **run_record(cfg, method), **info}
     write_summary(run_dir, summary)
     return {**summary, "history": logger.history}
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import sys
-from dataclasses import asdict, fields
+from dataclasses import fields
 from pathlib import Path
 
 from rich.console import Console
@@ -71,7 +71,7 @@ def cmd_q_train(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from polyrl.families.q.train import CHECKPOINT, load_checkpoint, train_q
+    from polyrl.families.q.train import CHECKPOINT, load_checkpoint, run_record, train_q
     from polyrl.runs import new_run, record_resume
 
     cfg, method, changes = resolve_train(args)
@@ -85,7 +85,7 @@ def _train(args: argparse.Namespace) -> int:
         record_resume(args.run_dir, step, CHECKPOINT, changes)
     where = (contextlib.nullcontext(Path(args.run_dir)) if args.resume else
              new_run(args.run_dir or f"runs/q/{method.name}-{cfg.task}-s{cfg.seed}", overwrite=args.overwrite,
-                     inputs=vars(args), record=_record(cfg, method)))
+                     inputs=vars(args), record=run_record(cfg, method)))
     with where as run_dir:
         console.print(f"q method: {method.name} = target_mode {method.target_mode}; period {method.period}; "
                       f"lam {method.lam}")
@@ -161,19 +161,15 @@ def checkpointed(run_dir: Path) -> bool:
     return (Path(run_dir) / CHECKPOINT).is_file() and (Path(run_dir) / "config.json").is_file()
 
 
-def _record(cfg, method) -> dict:
-    """The run's record (its ``config.json``): settings, preset and its target rule."""
-    parts = {"target_mode": method.target_mode, "period": method.period, "lam": method.lam}
-    return {"config": asdict(cfg), "method": method.name, "parts": parts}
-
-
 def check_train_flags(argv: list[str]) -> dict:
     """Resolve `polyrl q train` flags without running (ConfigError in one line); used by `polyrl compare --family q`,
     which checks a finished run against the record returned."""
     args = parse_train_flags(argv, "polyrl q train", add_train_args)
     args.resume = False
+    from polyrl.families.q.train import run_record
+
     cfg, method, _ = resolve_train(args)
-    return record_of(_record(cfg, method))
+    return record_of(run_record(cfg, method))
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:

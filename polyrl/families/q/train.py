@@ -76,6 +76,13 @@ class QTrainConfig:
 MAX_SIZE = 50
 
 
+def run_record(cfg: QTrainConfig, method) -> dict:
+    """What defines a run: its settings, preset and target rule (its ``config.json``, and the same keys in
+    ``summary.json``)."""
+    parts = {"target_mode": method.target_mode, "period": method.period, "lam": method.lam}
+    return {"config": asdict(cfg), "method": method.name, "parts": parts}
+
+
 def validate_config(cfg: QTrainConfig) -> None:
     """Raise ConfigError with one line naming the field, the value and what is allowed."""
     for name in ("size", "steps", "samples_per_step", "max_episode_steps"):
@@ -196,8 +203,7 @@ def train_q(cfg: QTrainConfig, method: QMethod, *, run_dir: str | Path, resume: 
         "q_error_final": float(np.mean(np.abs(q - q_star)[live])) if finite else None,
         "steps_done": step, "samples": step * cfg.samples_per_step, "target_refreshes": learner.refreshes,
         "episodes": episodes, "wall_seconds": time.perf_counter() - started, "resumed": resume,
-        "config": asdict(cfg), "parts": {"target_mode": method.target_mode, "period": method.period,
-                                         "lam": method.lam},
+        **run_record(cfg, method),
     }
     write_summary(run_dir, summary)
     return {**summary, "history": logger.history, "learner": learner}
