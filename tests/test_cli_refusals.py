@@ -510,6 +510,25 @@ def test_tiny_models_too_deep_or_large_to_train_are_refused_before_any_work(tmp_
 
 
 @pytest.mark.parametrize("argv, words", [
+    (["bias-probe", "--group", "100000000"], ["--sim-seeds x --group = 20000000000 drawn answers", "GiB"]),
+    (["bias-probe", "--options", "10000000"], ["--sim-seeds x --options = 2000000000 logits", "GiB"]),
+    (["bias-probe", "--lm-group", "1000000000"], ["--lm-group = 1000000000 drawn answers", "GiB"]),
+    (["unlearn", "--episodes", "3000000"], ["--episodes = 3000000 with --poison-ratio = 3", "GiB"]),
+    (["unlearn", "--poison-ratio", "1e9"], ["--episodes = 150 with --poison-ratio = 1e+09", "GiB"]),
+    (["redteam", "--group-size", "1000000"], ["--group-size = 1000000 is not allowed here", "GiB"]),
+])
+def test_safety_sizes_beyond_this_machines_memory_are_refused_before_any_work(tmp_path, capsys, monkeypatch, argv,
+                                                                              words):
+    """These sizes ended in the generic out-of-memory line naming no option, or in the kernel's OOM killer with no
+    line at all (redteam --group-size 800000 held 12.7 GB and growing after 12 minutes). Each tool now estimates the
+    bytes from its measured bytes per unit; the machine is pinned at 24 GiB so the test does not depend on this one."""
+    monkeypatch.setattr("polyrl.runs.memory_bytes", lambda: 24 * 2**30)
+    assert main(["safety", *argv, "--out", str(tmp_path / "out")]) == 2
+    one_line_error(capsys, *words, "more than the 24.0 GiB")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("argv, words", [
     (["flow", "train", "--seed", "-1", "--run-dir", "OUT"], ["seed = -1 is not allowed", "[0, 2**32)"]),
     (["marl", "train", "--seed", "-1", "--run-dir", "OUT"], ["seed = -1 is not allowed", "[0, 2**32)"]),
     (["flow", "pretrain", "--seed", "-1"], ["seed = -1 is not allowed"]),  # it wrote a cache entry 'seed-1'

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from polyrl.config import ConfigError
-from polyrl.safety.options import add_out_options, check_common, flag, prepare_out, settings
+from polyrl.safety.options import add_out_options, check_common, check_memory, flag, prepare_out, settings
 
 SPEC_P0 = (0.2, 0.05, 0.01, 0.002)
 SPEC_MEDIANS = {True: (5, 13, 46, 208), False: (10, 38, 161, 742)}  # spec §4(e) table: with / without std norm
@@ -37,6 +37,11 @@ LM_OPTIONS = (
     ("--repair-steps", int, "normal GRPO steps on correct data afterwards (0: none)"),
     ("--eval-every", int, "evaluate the held-out sets every N one-shot steps (repair: every max(N, 5))"),
 )
+# Bytes held at once per unit, measured as peak resident memory above a small run's (`/usr/bin/time`, one thread): the
+# bandit holds about 330 B per drawn answer (--sim-seeds x --group: 1-4 million draws; 150 B at 16 million) and 64 B
+# per logit (--sim-seeds x --options: float64 logits, log-probs, gradients; 20 and 80 million), the tiny LM's one-shot
+# phase 94-124 B per drawn answer (--lm-group at 4 and 16 million).
+DRAW_BYTES, LOGIT_BYTES, LM_DRAW_BYTES = 336, 64, 128
 LM_DEFAULTS = {"pretrain_steps": 300, "label_noise": 0.1, "lm_steps": 80, "lm_group": 16, "lm_lr": 1e-3,
                "lm_kl": 0.001, "repair_steps": 100, "eval_every": 2}
 
@@ -112,6 +117,13 @@ def _check(args) -> None:
         bad("lm-kl", args.lm_kl, "a number >= 0")
     if not 0 <= args.label_noise < 1:
         bad("label-noise", args.label_noise, "a number in [0, 1)")
+    needs = {f"--sim-seeds x --group = {args.sim_seeds * args.group} drawn answers a step":
+             args.sim_seeds * args.group * DRAW_BYTES,
+             f"--sim-seeds x --options = {args.sim_seeds * args.options} logits":
+             args.sim_seeds * args.options * LOGIT_BYTES}
+    if args.seeds:
+        needs[f"--lm-group = {args.lm_group} drawn answers a step"] = args.lm_group * LM_DRAW_BYTES
+    check_memory(needs)
 
 
 def command(args: argparse.Namespace) -> int:

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from polyrl.config import ConfigError
-from polyrl.safety.options import add_out_options, check_common, number_list, prepare_out
+from polyrl.safety.options import add_out_options, check_common, check_memory, number_list, prepare_out
 
 HELP = "neutral mask: probe directions before/after RL, persistence, sparse autoencoder, steering"
 CLAIM = (
@@ -62,7 +62,6 @@ def add_parser(subparsers, name: str = "probe") -> argparse.ArgumentParser:
 
 def _experiment(args) -> Any:
     """The checked options as a ProbeExperiment; a bad one is refused in one line before anything runs."""
-    from polyrl.runs import check_fits
     from polyrl.safety.probe.experiment import ProbeExperiment
     from polyrl.tinylm import check_trainable
 
@@ -77,11 +76,8 @@ def _experiment(args) -> Any:
     if args.eval_prompts > 10**6:  # as train's eval_prompts: 10^9 built its prompts for minutes before any output
         raise ConfigError(f"--eval-prompts = {args.eval_prompts} must be an integer in [16, 1000000]")
     check_trainable(args.hidden, args.layers, prefix="--")
-    try:  # the SAE's encoder and decoder, [features, hidden] each, trained with AdamW
-        check_fits({f"--sae-features = {args.sae_features} at --hidden {args.hidden}":
-                    2 * 16 * args.sae_features * args.hidden})
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
+    check_memory({f"--sae-features = {args.sae_features} at --hidden {args.hidden}":  # the SAE's encoder and
+                  2 * 16 * args.sae_features * args.hidden})  # decoder, [features, hidden] each, with AdamW
     if not 0 <= args.steer_layer < args.layers:
         raise ConfigError(f"--steer-layer = {args.steer_layer} must be in [0, --layers={args.layers})")
     if not (args.rl_lr > 0 and args.sae_l1 >= 0):

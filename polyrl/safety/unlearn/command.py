@@ -10,9 +10,14 @@ from pathlib import Path
 import numpy as np
 
 from polyrl.config import ConfigError
-from polyrl.safety.options import add_out_options, check_common, number_list, prepare_out
+from polyrl.safety.options import add_out_options, check_common, check_memory, number_list, prepare_out
 from polyrl.safety.unlearn.experiment import CONDITIONS, ExperimentConfig, check_forget_sets, run_seed, summarise
 
+# Bytes held at once, measured as peak resident memory above a small run's (`/usr/bin/time`, --poison-ratio 0 and
+# --relabel-frac 0.5 at 40,000 and 160,000 episodes; --poison-ratio 30 and 120 at 10,000): about 10.5 KB per clean
+# episode (its transitions as Python tuples, then arrays and tensors) and 540 B per --poison-ratio x episode (the
+# injected shortcut episodes: poison-ratio x the clean data's hazard transitions).
+EPISODE_BYTES, POISON_BYTES = 11 * 1024, 600
 HELP = "Safe-RULE: offline safe RL on poisoned transitions, unlearning vs clean retraining"
 DESCRIPTION = (
     "Safe-RULE (arXiv 2606.09559, spec §12): an offline Lagrangian safe-RL agent (reward critic, cost critic, "
@@ -84,6 +89,8 @@ def config_from_args(args: argparse.Namespace) -> ExperimentConfig:
             raise ConfigError(f"--sweep={args.sweep!r}: {v!r} and {shown[f'{v:g}']!r} (--lam-forget or an earlier "
                               f"value) are both lam_f={v:g} in the report; give values distinct at 6 digits")
         shown[f"{v:g}"] = v
+    check_memory({f"--episodes = {args.episodes} with --poison-ratio = {args.poison_ratio:g}":
+                  args.episodes * (EPISODE_BYTES + args.poison_ratio * POISON_BYTES)})
     need(args.relabel_frac > 0 or args.poison_ratio > 0, "poison-ratio", args.poison_ratio,
          "> 0 when --relabel-frac is 0 (with both 0 nothing is poisoned, so there is nothing to unlearn)")
     return ExperimentConfig(seeds=args.seeds, episodes=args.episodes, steps=args.steps,
