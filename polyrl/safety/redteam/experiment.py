@@ -26,7 +26,15 @@ import polyrl.safety.redteam.game as game
 from polyrl.config import ConfigError
 from polyrl.errors import FLOAT32_MAX
 from polyrl.lab.stats import bootstrap_ci
-from polyrl.safety.options import add_out_options, check_common, check_memory, number_list, prepare_out, refuse, settings
+from polyrl.safety.options import (
+    add_out_options,
+    check_common,
+    check_memory,
+    number_list,
+    prepare_out,
+    refuse,
+    settings,
+)
 from polyrl.safety.redteam.trainer import PHASES, AdversarialCoTrainer, CoTrainConfig, total_updates
 from polyrl.safety.report import table_html, write_report
 from polyrl.tasks.rewards import load_callable, parse_reward_specs
