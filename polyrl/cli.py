@@ -34,6 +34,7 @@ from polyrl.build import (
 from polyrl.config import ConfigError
 from polyrl.errors import CheckpointError, RewardError, Terminated, TrainingError
 from polyrl.registry import ALL_REGISTRIES, PartError, unknown
+from polyrl.runs import files_line
 
 # Piped output (CI logs, tests, `| less`) gets a wide console instead of rich's 80-column default.
 console = Console() if sys.stdout.isatty() else Console(width=200)
@@ -327,7 +328,7 @@ def _train_plan(args: argparse.Namespace, plan: TrainPlan, release=lambda: None)
                   f"{summary['seconds_per_step']:.2f}", f"{summary['rollouts_per_second']:.1f}",
                   f"{summary['wall_seconds']:.0f}")
     console.print(table)
-    console.print(f"run files: {run_dir}/ (summary.json, metrics.jsonl, curves.png, tb/, checkpoints/)")
+    console.print(files_line(run_dir))
     return 0
 
 

@@ -110,6 +110,13 @@ def run_contents(run_dir: str | Path) -> list[str]:
     return found
 
 
+def files_line(run_dir: str | Path) -> str:
+    """``run files: DIR/ (a, b, tb/)``: what the run wrote in ``run_dir``, read from the directory (a fixed list
+    named ``tb/`` after `--no-tensorboard` and ``checkpoints/`` before the first save); hidden names left out."""
+    names = sorted(p.name + ("/" if p.is_dir() else "") for p in Path(run_dir).iterdir() if not p.name.startswith("."))
+    return f"run files: {run_dir}/ ({', '.join(names)})"
+
+
 def clear_run_dir(run_dir: str | Path, *, inputs: dict[str, Any] | None = None) -> None:
     """Delete ``run_dir`` for ``--overwrite``: only an empty directory or one that holds a polyrl run (``run_contents``)
     is cleared; anything else (a directory of other files, a folder of several runs, a file, the current directory

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import shutil
 
 import pytest
 
@@ -31,6 +32,23 @@ def test_report_reuses_a_finished_run_only_with_the_same_settings(tmp_path, caps
     s = json.loads(summary.read_text())
     assert s["steps"] == 3 and s["config"]["lr"] == 0.5
     assert json.loads((tmp_path / "rep" / "results.json").read_text())["config"]["steps"] == 3
+
+
+def test_a_watching_setting_is_refused_when_every_run_is_reused(tmp_path, capsys):
+    """`duplex report --tensorboard` over finished runs printed its report and recorded tensorboard: true in
+    results.json, but nothing trained, so no event file was written. It applies when a run is left to train."""
+    out = tmp_path / "rep"
+    rep = ["duplex", "report", "--seeds", "2", *TINY, "--steps", "1", "--out", str(out)]
+    assert cli(capsys, *rep)[0] == 0
+    results = (out / "results.json").read_text()
+    for flag in (["--tensorboard"], ["--threads", "2"]):
+        code, err = cli(capsys, *rep, *flag)
+        assert code == 2
+        one_line(err, f"{flag[0][2:]} = ", "changes nothing here: every run in", "--overwrite")
+    assert (out / "results.json").read_text() == results
+    shutil.rmtree(out / "grpo" / "seed1")
+    assert cli(capsys, *rep, "--tensorboard")[0] == 0  # one run trains again, and writes its event files
+    assert (out / "grpo" / "seed1" / "tb").is_dir() and not (out / "grpo" / "seed0" / "tb").exists()
 
 
 def test_stale_setting_names_the_first_difference_and_ignores_run_control():
@@ -203,3 +221,22 @@ def test_settings_a_run_never_reads_are_refused(tmp_path, capsys, flags, words):
     one_line(err, *words, "does not apply")
     assert cli(capsys, "duplex", "train", "--steps", "1", *TINY, "--task", "interrupt", "--decay", "0.3",
                "--run-dir", str(tmp_path / "ok"))[0] == 0
+
+
+def test_one_seed_improves_nothing_and_two_agreeing_seeds_do():
+    """`duplex report --seeds 1` said GRPO "improved" a metric from one paired difference, whose bootstrap
+    'interval' is the point [d, d]."""
+    from polyrl.families.duplex.report import analyse
+    from polyrl.families.duplex.sim import METRIC_SIGN
+
+    def run(shift: float) -> dict:
+        before = {m: 1.0 for m in METRIC_SIGN}
+        return {"metrics_before": before, "natural_agent": before,
+                "metrics_after": {m: 1.0 + shift * sign for m, sign in METRIC_SIGN.items()}}
+
+    one = analyse({"grpo": [run(0.5)], "imitation": [run(0.0)]})
+    assert not any(r["improved"] or r["improved_vs_imitation"] for r in one.values())
+    two = analyse({"grpo": [run(0.5), run(0.4)], "imitation": [run(0.0), run(0.1)]})
+    assert all(r["improved"] and r["improved_vs_imitation"] for r in two.values())
+    mixed = analyse({"grpo": [run(0.5), run(-0.4)], "imitation": [run(0.0), run(0.0)]})
+    assert not any(r["improved"] for r in mixed.values())

@@ -200,6 +200,27 @@ def test_sizes_past_the_machines_memory_are_refused_in_one_line(monkeypatch, fla
     assert "\n" not in str(e.value)
 
 
+def test_an_evaluation_set_missing_an_axis_is_refused_for_every_seed_before_any_run(tmp_path, capsys):
+    """--eval-segments 1 wrote nan for three of the four axes (bare NaN in summary.json), and `duplex report`
+    then left those axes out of its table and verdict without a word. The axes are drawn at random per seed: 8
+    segments cover all four for seeds 0-2 but not for seed 3, so a 4-seed report is refused before its first run."""
+    from polyrl.families.duplex.cli import check_train_flags
+
+    small = ["--steps", "1", "--imitation-steps", "1", "--groups", "2", "--group-size", "2", "--imitation-batch", "4"]
+    with pytest.raises(ConfigError, match="eval_segments = 4 is not allowed: seed 0's evaluation set has no 'turn'"):
+        check_train_flags(["--eval-segments", "4"])
+    check_train_flags(["--eval-segments", "4", "--task", "turn"])  # one axis: every segment is a turn
+    check_train_flags(["--eval-segments", "8"])
+    assert _cli("duplex", "report", "--out", str(tmp_path / "rep"), "--seeds", "4", *small, "--eval-segments",
+                "8") == 2
+    err = capsys.readouterr().err
+    assert "seed 3's evaluation set has no" in err and err.count("\n") == 1, err
+    assert not (tmp_path / "rep").exists()
+    assert _cli("duplex", "train", "--run-dir", str(tmp_path / "r"), *small, "--eval-segments", "8") == 0
+    summary = json.loads((tmp_path / "r" / "summary.json").read_text())
+    assert all(np.isfinite(v) for v in summary["metrics_after"].values()), summary["metrics_after"]
+
+
 def test_help_documents_every_field(capsys):
     from dataclasses import fields
 

@@ -194,3 +194,34 @@ def test_a_diverging_run_names_the_settings_that_scale_its_steps(tmp_path, capsy
     err = capsys.readouterr().err
     assert "non-finite loss at 3 steps in a row" in err and "lower --lr (0.0005) or --eta (1e+30)" in err, err
     assert err.count("\n") == 1, err
+
+
+def test_a_lone_sample_per_group_is_refused_for_group_advantages_only():
+    """`flow train --group-size 1` ran and trained nothing: a group estimator gives a lone sample A = 0 (KL 0.000 at
+    every step). An estimator that is not group-relative (reinforce) still learns from one sample a context."""
+    from polyrl.config import ConfigError
+    from polyrl.families.flow.cli import check_train_flags
+
+    with pytest.raises(ConfigError, match=r"group_size = 1 is not allowed with advantage 'group_centered_batch_std'"):
+        check_train_flags(["--group-size", "1"])
+    with pytest.raises(ConfigError, match=r"group_size = 1 is not allowed with advantage 'grpo'"):
+        check_train_flags(["--group-size", "1", "--advantage", "grpo"])
+    check_train_flags(["--group-size", "1", "--advantage", "reinforce"])
+    check_train_flags(["--group-size", "2"])
+
+
+def test_pretrain_past_the_machines_memory_is_refused_and_run_files_are_what_was_written(tmp_path, capsys,
+                                                                                        monkeypatch):
+    """`flow pretrain --layers 100000` had no memory check: the OOM killer ended it with no line (19.5 GB resident).
+    `flow train --no-tensorboard` listed a tb/ it never wrote among its run files."""
+    from polyrl.cli import main
+
+    assert main(["flow", "pretrain", "--layers", "100000"]) == 2
+    err = capsys.readouterr().err
+    assert "hidden = 128 x layers = 100000 is not allowed here" in err and err.count("\n") == 1, err
+    monkeypatch.setenv("POLYRL_CACHE", str(tmp_path / "cache"))
+    argv = ["--task", "reach", "--steps", "1", "--groups", "2", "--group-size", "2", "--eval-samples", "4",
+            "--no-tensorboard", "--run-dir", str(tmp_path / "r")]
+    assert main(["flow", "train", *argv]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("run files:"))
+    assert "tb/" not in line and "summary.json" in line and "curves.png" in line, line

@@ -92,6 +92,13 @@ def test_resume_refuses_fewer_steps_and_overwrite(tmp_path, capsys):
     assert step_rows(run) == [1, 2, 3] and (run / "summary.json").read_text() == summary  # the run as it was
     assert not (run / "config_history.jsonl").exists()
 
+    (run / "checkpoint.pt").unlink()  # as a run stopped before its first save leaves it
+    code, err = cli(capsys, "marl", "train", "--steps", "4", "--run-dir", str(run), "--resume")
+    assert code == 2  # it said "no checkpoint.pt and config.json", with config.json there
+    one_line(err, "has no checkpoint.pt to resume from", "--overwrite")
+    code, err = cli(capsys, "marl", "train", "--steps", "4", "--run-dir", str(tmp_path / "none"), "--resume")
+    assert code == 2
+    one_line(err, "holds no run (no config.json) to resume; start it without --resume")
 
 def test_resume_below_checkpoint_refused_by_train_marl_too(tmp_path):
     from polyrl.families.marl.methods import get_marl_method

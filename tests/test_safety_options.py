@@ -323,3 +323,17 @@ def test_unlearn_refuses_sweep_values_the_report_cannot_tell_apart_and_an_unpois
         with pytest.raises(ConfigError, match=words):
             _validate("unlearn", _parse(tools, "unlearn", argv))
     _validate("unlearn", _parse(tools, "unlearn", ["--lam-forget", "2", "--sweep", "2,2.5"]))  # 2 is the base run
+
+
+@pytest.mark.parametrize("tool, argv, words", [
+    ("ggro", ["--thresholds", "1,1.0000001"], "1.0 and 1.0000001 are both 1 in the report"),
+    ("ggro", ["--thresholds", "1.5", "--refinements", "4,2,4"], "4.0 and 4.0 are both 4 in the report"),
+    ("probe", ["--alphas", "0,1,1,4"], "1.0 and 1.0 are both 1 in the report"),
+])
+def test_list_values_the_report_cannot_tell_apart_are_refused(tools, tool, argv, words):
+    """ggro --thresholds 1,1.0000001 ran both settings and kept one in results.json (stats keyed "H=1,S=2"); a
+    refinement or steering strength given twice ran the same setting twice."""
+    with pytest.raises(ConfigError, match=words):
+        _validate(tool, _parse(tools, tool, argv))
+    _validate(tool, _parse(tools, tool, [argv[0], argv[1].replace("1.0000001", "1.01").replace("4,2,4", "4,2")
+                                         .replace("1,1,4", "1,4")]))

@@ -8,6 +8,7 @@ retrains it instead); ``check_report_options`` refuses the report options no fam
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
@@ -59,13 +60,16 @@ def check_report_options(out: str, seeds: int, ci: float, given: dict[str, Any])
                           "number with --seeds")
 
 
-def check_reuse(cfg, *, seeds: int, out: Path, methods: list[str], overwrite: bool) -> None:
+def check_reuse(cfg, *, seeds: int, out: Path, methods: list[str], overwrite: bool,
+                given: Collection[str] = ()) -> None:
     """Before any training: refuse (ConfigError, one line) a finished run in ``out`` trained with other settings than
-    ``cfg`` (seed replaced), unless ``overwrite`` (then the report retrains it)."""
+    ``cfg`` (seed replaced), unless ``overwrite`` (then the report retrains it); and a ``NOT_RESULTS`` setting
+    ``given`` (flag or TOML) when every run is finished and reused, so that nothing trains and it changes nothing."""
     from polyrl.errors import ConfigError
 
     if overwrite:
         return
+    reused = 0
     for m in methods:
         for seed in range(seeds):
             s = finished(out / m / f"seed{seed}")
@@ -73,3 +77,8 @@ def check_reuse(cfg, *, seeds: int, out: Path, methods: list[str], overwrite: bo
             if why:
                 raise ConfigError(f"{m}/seed{seed} in '{out}' was trained with {why}; pass --overwrite to retrain "
                                   "such runs, or another --out")
+            reused += s is not None
+    idle = [name for name in NOT_RESULTS if name in given]
+    if idle and reused == len(methods) * seeds:
+        raise ConfigError(f"{idle[0]} = {getattr(cfg, idle[0])!r} changes nothing here: every run in '{out}' is "
+                          "finished and is reused, so none trains; drop it, or pass --overwrite to train them again")

@@ -38,6 +38,17 @@ def check_memory(needs: dict[str, float]) -> None:
         raise ConfigError(str(e)) from None
 
 
+def check_distinct(option: str, text: str, values: list[float], label: Callable[[float], str] = "{:g}".format) -> None:
+    """Refuse two values of a list option that the report shows alike (``label``, 6 significant digits by default):
+    their results are keyed by that label, so one run would be computed and then overwritten by the other."""
+    seen: dict[str, float] = {}
+    for v in values:
+        if label(v) in seen:
+            raise ConfigError(f"{option} = {text!r}: {seen[label(v)]!r} and {v!r} are both {label(v)} in the report; "
+                              "give distinct values")
+        seen[label(v)] = v
+
+
 def flag(dest: str) -> str:
     """The command-line spelling of an argparse ``dest`` (the safety tools' options are all long options)."""
     return "--" + dest.replace("_", "-")

@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 from rich.console import Console
 from rich.table import Table
@@ -21,6 +21,7 @@ from rich.table import Table
 from polyrl.config import ConfigError
 from polyrl.families import family_config, flag_values, parse_train_flags, record_of
 from polyrl.families.duplex import HELP as DUPLEX_HELP
+from polyrl.runs import files_line
 
 console = Console() if sys.stdout.isatty() else Console(width=200)
 
@@ -127,15 +128,14 @@ def _train(args: argparse.Namespace, cfg, method, run_dir: str) -> int:
     for k, v in s["metrics_after"].items():
         table.add_row(k, f"{s['natural_agent'][k]:.3f}", f"{s['metrics_before'][k]:.3f}", f"{v:.3f}")
     console.print(table)
-    console.print(f"wall {s['wall_seconds']:.1f} s, {s['seconds_per_step']:.3f} s/step; run files: {run_dir}/ "
-                  "(summary.json, metrics.jsonl, checkpoints/)")
+    console.print(f"wall {s['wall_seconds']:.1f} s, {s['seconds_per_step']:.3f} s/step; {files_line(run_dir)}")
     return 0
 
 
 def cmd_duplex_report(args: argparse.Namespace) -> int:
     from polyrl.families.duplex.methods import get_duplex_method
     from polyrl.families.duplex.report import write_duplex_report
-    from polyrl.families.duplex.train import check_method_settings
+    from polyrl.families.duplex.train import check_eval_axes, check_method_settings
     from polyrl.families.reuse import check_report_options
     from polyrl.runs import run_lock, signals_unwind
 
@@ -143,11 +143,13 @@ def cmd_duplex_report(args: argparse.Namespace) -> int:
     cfg = _train_config(args)
     try:  # as `duplex train` checks them: GRPO's run reads every setting the imitation baseline's does
         check_method_settings(get_duplex_method("grpo"), _given(args))
+        for seed in range(args.seeds):  # every seed's evaluation set, before the first run trains
+            check_eval_axes(replace(cfg, seed=seed))
     except ValueError as e:
         raise ConfigError(str(e)) from None
     with signals_unwind(), run_lock(args.out, "out"):  # a second report on --out deleted this one's runs
         res = write_duplex_report(cfg, seeds=args.seeds, out=args.out, level=args.ci, progress=console.print,
-                                  overwrite=args.overwrite)
+                                  overwrite=args.overwrite, given=_given(args))
     table = Table(title="GRPO vs imitation baseline (paired, over seeds)")
     for col in ("metric", "better", "baseline", "GRPO", "difference [interval]", "improved"):
         table.add_column(col, justify="right")

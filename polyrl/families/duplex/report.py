@@ -17,6 +17,7 @@ from __future__ import annotations
 import io
 import math
 import time
+from collections.abc import Collection
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -75,12 +76,14 @@ def analyse(summaries: dict[str, list[dict[str, Any]]], level: float = 0.9) -> d
             row[name] = _ci([s["metrics_after"][m] for s in runs], level)
         diff = [s["metrics_after"][m] - b[m] for s, b in zip(summaries["grpo"], base)]
         row["grpo_minus_baseline"] = d = _ci(diff, level)
-        row["improved"] = bool(d["lo"] > 0) if sign > 0 else bool(d["hi"] < 0)
+        # one paired difference has no interval over seeds (it is [d, d]): it cannot show an improvement
+        row["improved"] = d["n"] >= 2 and (bool(d["lo"] > 0) if sign > 0 else bool(d["hi"] < 0))
         if "imitation" in summaries:
             diff2 = [a["metrics_after"][m] - b["metrics_after"][m]
                      for a, b in zip(summaries["grpo"], summaries["imitation"])]
             row["grpo_minus_imitation"] = d2 = _ci(diff2, level)
-            row["improved_vs_imitation"] = bool(d2["lo"] > 0) if sign > 0 else bool(d2["hi"] < 0)
+            row["improved_vs_imitation"] = d2["n"] >= 2 and (bool(d2["lo"] > 0) if sign > 0
+                                                             else bool(d2["hi"] < 0))
         out[m] = row
     return out
 
@@ -127,7 +130,7 @@ def plot(rows: dict[str, Any], path: Path, level: float) -> Path:
 
 
 def write_duplex_report(cfg, *, seeds: int, out: str | Path, level: float = 0.9, methods=("imitation", "grpo"),
-                        progress=None, overwrite: bool = False) -> dict[str, Any]:
+                        progress=None, overwrite: bool = False, given: Collection[str] = ()) -> dict[str, Any]:
     """Train every (method, seed), analyse, write ``report.html``, ``results.json`` and ``metrics.png`` in ``out``.
 
     A finished run in ``out`` is reused when its saved settings equal ``cfg`` (seed aside); one with other settings
@@ -135,7 +138,7 @@ def write_duplex_report(cfg, *, seeds: int, out: str | Path, level: float = 0.9,
     from polyrl.safety.report import table_html, write_report
 
     out = Path(out)
-    check_reuse(cfg, seeds=seeds, out=out, methods=methods, overwrite=overwrite)
+    check_reuse(cfg, seeds=seeds, out=out, methods=methods, overwrite=overwrite, given=given)
     t0 = time.perf_counter()
     summaries: dict[str, list[dict[str, Any]]] = {m: [] for m in methods}
     for seed in range(seeds):
@@ -154,7 +157,10 @@ def write_duplex_report(cfg, *, seeds: int, out: str | Path, level: float = 0.9,
               *([_fmt(r["imitation"])] if "imitation" in methods else []), _fmt(r["grpo"]),
               _fmt(r["grpo_minus_baseline"]), "yes" if r["improved"] else "no"] for m, r in rows.items()]
     n_imp = sum(r["improved"] for r in rows.values())
-    verdict = (f"Over {seeds} seeds, GRPO improved {n_imp} of {len(rows)} axis metrics over the imitation baseline "
+    one = "With one seed there is no interval over seeds, so no metric counts as improved (run --seeds 2 or more). "
+    verdict = (one if seeds == 1 else "") + (
+               f"Over {seeds} seed{'s' * (seeds > 1)}, GRPO improved {n_imp} of {len(rows)} axis metrics over the "
+               "imitation baseline "
                f"with the {int(level * 100)}% bootstrap interval of the paired difference on the better side of 0"
                + (f"; against imitation continued for the same {cfg.steps} steps: "
                   f"{sum(r.get('improved_vs_imitation', False) for r in rows.values())} of {len(rows)}"

@@ -75,13 +75,19 @@ class Segments:
         return (run / 10).clamp(max=2.0)
 
 
+def segment_axes(n: int, rng: np.random.Generator, axes: tuple[str, ...] = AXES) -> np.ndarray:
+    """The axis (an index into ``AXES``) of each of n segments, drawn uniformly from ``axes``: ``make_segments``'s
+    first draw from ``rng``."""
+    return rng.choice([AXES.index(a) for a in axes], size=n)
+
+
 def make_segments(n: int, frames: int, rng: np.random.Generator, *, axes: tuple[str, ...] = AXES,
                   cue_noise: float = 0.3) -> Segments:
     """n segments, each of an axis drawn uniformly from ``axes``; all randomness from ``rng``."""
     if frames < 40:
         raise ValueError(f"frames = {frames} is not allowed; allowed: >= 40")
     F = frames
-    ax = rng.choice([AXES.index(a) for a in axes], size=n)
+    ax = segment_axes(n, rng, axes)
     vad = np.zeros((n, F), bool)
     eot = rng.normal(0, 0.1, (n, F))
     bcc = rng.normal(0, 0.1, (n, F))

@@ -42,6 +42,7 @@ from polyrl.families.duplex.sim import (
     make_segments,
     natural_agent,
     rewards,
+    segment_axes,
 )
 from polyrl.runs import check_fits, check_resume_steps, max_threads
 
@@ -155,6 +156,7 @@ def validate_config(cfg: DuplexTrainConfig) -> None:
         f"imitation_batch = {cfg.imitation_batch} {of}": cfg.imitation_batch * cfg.frames * trained,
         f"eval_segments = {cfg.eval_segments} {of}": cfg.eval_segments * cfg.frames * evaluated,
     })
+    check_eval_axes(cfg)
 
 
 # The reward settings of one axis: a single-axis task (``--task pause``) never scores the others.
@@ -215,8 +217,22 @@ def imitation_step(policy: GRUPolicy, opt, cfg: DuplexTrainConfig, rng: np.rando
 
 
 def eval_set(cfg: DuplexTrainConfig) -> Segments:
-    return make_segments(cfg.eval_segments, cfg.frames, np.random.default_rng(cfg.seed + 10_007), axes=_axes(cfg),
-                         cue_noise=cfg.cue_noise)
+    return make_segments(cfg.eval_segments, cfg.frames, _eval_rng(cfg), axes=_axes(cfg), cue_noise=cfg.cue_noise)
+
+
+def _eval_rng(cfg: DuplexTrainConfig) -> np.random.Generator:
+    return np.random.default_rng(cfg.seed + 10_007)
+
+
+def check_eval_axes(cfg: DuplexTrainConfig) -> None:
+    """Refuse (ValueError, one line) an evaluation set of this seed in which an axis of the task has no segment: its
+    metrics would be nan (bare NaN in summary.json) and a report would drop that axis without a word."""
+    drawn = set(segment_axes(cfg.eval_segments, _eval_rng(cfg), _axes(cfg)).tolist())
+    missing = [a for a in _axes(cfg) if AXES.index(a) not in drawn]
+    if missing:
+        raise ValueError(f"eval_segments = {cfg.eval_segments} is not allowed: seed {cfg.seed}'s evaluation set has "
+                         f"no {missing[0]!r} segment (axes drawn at random from {', '.join(_axes(cfg))}); allowed: "
+                         "enough segments that every axis gets one (the default 512 does)")
 
 
 @torch.no_grad()

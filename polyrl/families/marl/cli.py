@@ -22,6 +22,7 @@ from rich.table import Table
 from polyrl.config import ConfigError
 from polyrl.families import family_config, flag_values, parse_train_flags, record_of
 from polyrl.families.marl import HELP as MARL_HELP
+from polyrl.runs import files_line
 
 console = Console() if sys.stdout.isatty() else Console(width=200)
 MAY_CHANGE = ("steps", "eval_every", "checkpoint_every", "threads", "tensorboard")
@@ -48,8 +49,11 @@ def resume_config(run_dir: Path, given: dict):
 
     recover_noted(run_dir)  # an old run a killed --overwrite left aside is the one to resume
     saved = saved_record(run_dir)
-    if saved is None or not (run_dir / "checkpoint.pt").is_file():
-        raise ConfigError(f"run_dir = '{run_dir}' has no checkpoint.pt and config.json to resume from")
+    if saved is None:
+        raise ConfigError(f"run_dir = '{run_dir}' holds no run (no config.json) to resume; start it without --resume")
+    if not (run_dir / "checkpoint.pt").is_file():  # it stopped before its first save (--checkpoint-every)
+        raise ConfigError(f"run_dir = '{run_dir}' has no checkpoint.pt to resume from (the run stopped before its "
+                          "first save); start it again with --overwrite")
     values, changes = effective_config(run_dir), {}
     for k, v in given.items():
         if k in values and values[k] != v:
@@ -111,7 +115,7 @@ def _train(args: argparse.Namespace) -> int:
     table.add_row(f"{s['success_train']:.3f}", f"{s['success_heldout']:.3f}", f"{s['reward_first']:.3f}",
                   f"{s['reward_last']:.3f}", str(cfg.steps), f"{s['wall_seconds']:.1f}")
     console.print(table)
-    console.print(f"run files: {run_dir}/ (summary.json, metrics.jsonl, curves.png, checkpoint.pt)")
+    console.print(files_line(run_dir))
     return 0
 
 
@@ -151,7 +155,7 @@ def cmd_marl_report(args: argparse.Namespace) -> int:
     cfg = _build(given)
     with signals_unwind(), run_lock(args.out, "out"):  # a second report on --out deleted this one's runs
         paths = run_report(cfg, seeds=args.seeds, out=Path(args.out), methods=methods, console=console, ci=args.ci,
-                           overwrite=args.overwrite)
+                           overwrite=args.overwrite, given=given)
     console.print(f"report: {paths['html']}  results: {paths['results']}")
     return 0
 

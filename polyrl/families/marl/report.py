@@ -13,6 +13,7 @@ mappo - ippo difference with its interval, and a figure of held-out success agai
 from __future__ import annotations
 
 import json
+from collections.abc import Collection
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -47,7 +48,7 @@ def _curve_plot(runs: dict[str, list[list[dict]]], path: Path) -> Path:
 
 
 def run_report(cfg, *, seeds: int, out: Path, methods: list[str], console=None, ci: float = 0.9,
-               overwrite: bool = False) -> dict[str, Path]:
+               overwrite: bool = False, given: Collection[str] = ()) -> dict[str, Path]:
     """Train (or reuse, see ``check_reuse``) every method x seed with ``cfg`` (seed replaced), then write
     results.json and report.html. Everything is checked before the first run trains."""
     from polyrl.config import ConfigError
@@ -61,7 +62,7 @@ def run_report(cfg, *, seeds: int, out: Path, methods: list[str], console=None, 
     ms = [get_marl_method(m.strip()) for m in methods if m.strip()]
     if not ms:
         raise ConfigError(f"methods = {','.join(methods)!r} is not allowed; allowed: at least one preset")
-    check_reuse(cfg, seeds=seeds, out=out, methods=[m.name for m in ms], overwrite=overwrite)
+    check_reuse(cfg, seeds=seeds, out=out, methods=[m.name for m in ms], overwrite=overwrite, given=given)
     per: dict[str, dict[str, list]] = {}
     hists: dict[str, list] = {}
     for m in ms:

@@ -18,6 +18,7 @@ from rich.table import Table
 from polyrl.config import ConfigError
 from polyrl.families import parse_train_flags, record_of
 from polyrl.families.q import HELP as Q_HELP
+from polyrl.runs import files_line
 
 console = Console() if sys.stdout.isatty() else Console(width=200)
 DEFAULT_METHOD = "lambda_geometric"
@@ -97,7 +98,7 @@ def _train(args: argparse.Namespace) -> int:
     table.add_row(fmt(s["reward_final"]), fmt(s["optimal_return"]), fmt(s["q_error_final"]), str(s["samples"]),
                   str(s["target_refreshes"]), str(s["diverged"]), f"{s['wall_seconds']:.1f}")
     console.print(table)
-    console.print(f"run files: {run_dir}/ (summary.json, metrics.jsonl, curves.png, {CHECKPOINT})")
+    console.print(files_line(run_dir))
     return 0
 
 

@@ -60,12 +60,12 @@ def random_mdp(rng: np.random.Generator, *, n_states: int = 3, n_features: int =
 
 
 def check_seed(seed: int) -> None:
-    """Refuse a seed numpy's generators cannot take (ConfigError, a ValueError, naming ``seed``), before any search,
-    training or write."""
+    """Refuse a seed outside [0, 2**32) (ConfigError, a ValueError, naming ``seed``), before any search, training or
+    write: the range every other polyrl command takes (numpy took up to 2**63, so q alone ran with 2**32)."""
     from polyrl.errors import ConfigError
 
-    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-        raise ConfigError(f"seed = {seed!r} is not allowed; allowed: an integer >= 0")
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32:
+        raise ConfigError(f"seed = {seed!r} is not allowed; allowed: an integer in [0, 2**32)")
 
 
 def search_counterexample(seed: int = 0, *, max_trials: int = 10_000, n_states: int = 3, n_features: int = 2,

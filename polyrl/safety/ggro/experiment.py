@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from polyrl.config import ConfigError
-from polyrl.safety.options import add_out_options, check_common, number_list, prepare_out
+from polyrl.safety.options import add_out_options, check_common, check_distinct, number_list, prepare_out
 
 CLAIM_RATIO = 0.11
 CLAIM = ("Seed blog: GGRO 'beats best-of-16 at 11% of the compute'. Paper (arXiv 2606.09635): 'minimal "
@@ -78,6 +78,8 @@ def _check(args) -> tuple[list[float], list[int]]:
                              f"the {VOCAB}-token vocabulary, the largest entropy)", lambda v: 0 < v <= most)
     refinements = number_list(args.refinements, "--refinements", "comma-separated integers >= 2 (S = 1 is the "
                               "base decode, with no refinement)", lambda v: v == int(v) and v >= 2)
+    check_distinct("--thresholds", args.thresholds, thresholds)  # results are keyed "H={h:g},S={s}"
+    check_distinct("--refinements", args.refinements, refinements)
     return thresholds, [int(s) for s in refinements]
 
 

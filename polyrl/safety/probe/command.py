@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from polyrl.config import ConfigError
-from polyrl.safety.options import add_out_options, check_common, check_memory, number_list, prepare_out
+from polyrl.safety.options import add_out_options, check_common, check_distinct, check_memory, number_list, prepare_out
 
 HELP = "neutral mask: probe directions before/after RL, persistence, sparse autoencoder, steering"
 CLAIM = (
@@ -84,6 +84,7 @@ def _experiment(args) -> Any:
         raise ConfigError(f"--rl-lr = {args.rl_lr} must be > 0 and --sae-l1 = {args.sae_l1} >= 0")
     alphas = tuple(number_list(args.alphas, "--alphas", "comma-separated finite numbers >= 0",
                                lambda v: v >= 0))
+    check_distinct("--alphas", args.alphas, list(alphas))  # a strength twice is the same curve point run twice
     if args.headline_alpha not in alphas:
         raise ConfigError(f"--alphas = {args.alphas!r} must be numbers >= 0 that include --headline-alpha = "
                           f"{args.headline_alpha:g}")
