@@ -283,7 +283,8 @@ def test_negative_seed_is_refused_before_the_run_dir_is_written(tmp_path, capsys
     run = tmp_path / "run"
     rc, out = _main(capsys, "q", "train", "--seed", "-1", "--run-dir", str(run))
     lines = [ln for ln in out.strip().splitlines() if ln.strip()]
-    assert rc == 2 and len(lines) == 1 and "seed = -1 is not allowed; allowed: an integer in [0, 2**32)" in lines[0], lines
+    assert rc == 2 and len(lines) == 1, lines
+    assert "seed = -1 is not allowed; allowed: an integer in [0, 2**32)" in lines[0], lines
     assert not run.exists()  # no config.json left behind: a rerun needs no --overwrite
 
 
@@ -302,7 +303,8 @@ def test_search_refuses_a_negative_seed_and_an_existing_result(tmp_path, capsys)
     out = tmp_path / "search"
     rc, text = _main(capsys, "q", "search", "--seed", "-1", "--out", str(out))
     lines = [ln for ln in text.strip().splitlines() if ln.strip()]
-    assert rc == 2 and len(lines) == 1 and "seed = -1 is not allowed; allowed: an integer in [0, 2**32)" in lines[0], lines
+    assert rc == 2 and len(lines) == 1, lines
+    assert "seed = -1 is not allowed; allowed: an integer in [0, 2**32)" in lines[0], lines
     assert not out.exists()
     out.mkdir()
     (out / "search.json").write_text('{"seed": 0}')
