@@ -110,7 +110,7 @@ def resolve_train(args: argparse.Namespace, *, claim: Callable[[str], None] | No
     from polyrl.tasks import get_task
     from polyrl.tasks.rewards import RewardChannels, parse_reward_specs
 
-    values = load_toml(args.config) if args.config else {}
+    values = load_toml(args.config, flags_only=METHOD_OVERRIDES) if args.config else {}
     names = {s.name for s in settings(TrainConfig)}
     values.update({k: v for k, v in vars(args).items() if k in names and v is not None})
     values = absolute_paths(values)  # recorded so, a run resumes from any directory
@@ -380,11 +380,13 @@ def _resume_settings(run_dir: str, values: dict[str, Any], overrides: dict[str, 
         if Path(run_dir).is_dir():  # started from Python (train()): no record, so the flags given are the settings
             notes.append(f"{run_dir} has no {CONFIG}: resuming with the settings given on this command")
         return values, overrides, {}
-    merged, changes = resume_values(effective_config(run_dir), values, what=f" ({run_dir}/{CONFIG})")
+    saved = effective_config(run_dir)
+    merged, changes = resume_values(saved, _as_saved(saved, values), what=f" ({run_dir}/{CONFIG})")
     saved_overrides = record.get("overrides")
     if saved_overrides is not None:  # runs recorded before part overrides were saved accept the ones given
+        method = saved.get("method", values.get("method"))
         for key, new in overrides.items():
-            if saved_overrides.get(key) != new:
+            if saved_overrides.get(key) != new and not _same_method(method, saved_overrides, {key: new}):
                 flag, old = "--" + key.replace("_", "-"), saved_overrides.get(key)
                 raise ConfigError(f"{flag} {new!r} differs from the run's own "
                                   f"{'(the preset' + chr(39) + 's)' if old is None else repr(old)} "
@@ -393,6 +395,40 @@ def _resume_settings(run_dir: str, values: dict[str, Any], overrides: dict[str, 
                                   "--run-dir")
         overrides = dict(saved_overrides)
     return merged, overrides, changes
+
+
+def _as_saved(saved: dict[str, Any], given: dict[str, Any]) -> dict[str, Any]:
+    """``given`` with each reward setting that resolves to the run's saved one replaced by the saved spelling: a
+    resume compares what the run computes, and ``--reward-weights 1.0,0.20`` is ``1,0.2``, ``--reward-funcs task``
+    the default (None)."""
+    from polyrl.tasks.rewards import parse_reward_specs
+
+    def resolved(values: dict[str, Any]) -> tuple | None:
+        try:
+            return parse_reward_specs(values.get("reward_funcs"), values.get("reward_weights"))
+        except ValueError:  # a bad value is refused by name once the config is built
+            return None
+
+    out = dict(given)
+    for name in ("reward_funcs", "reward_weights"):
+        if out.get(name) is not None and name in saved and out[name] != saved[name]:
+            mixed = {**saved, name: out[name]}
+            if resolved(mixed) is not None and resolved(mixed) == resolved(saved):
+                out[name] = saved[name]
+    return out
+
+
+def _same_method(preset: str | None, saved: dict[str, Any], change: dict[str, Any]) -> bool:
+    """Whether part override ``change`` leaves the run's method (preset ``preset`` with the ``saved`` overrides) as it
+    is: ``--kl-coef 0.04`` or ``--trust-region clip`` given to resume a grpo run asks for grpo's own values."""
+    from polyrl.registry import PartError
+
+    if preset is None:
+        return False
+    try:
+        return method_from_overrides(preset, saved) == method_from_overrides(preset, {**saved, **change})
+    except PartError:  # a bad override is refused by name where the method is built
+        return False
 
 
 TOPK = 8  # support size for trust regions that read top-K log-probs (tag "needs_topk")

@@ -14,6 +14,7 @@ import difflib
 import json
 import math
 import os
+import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -207,8 +208,15 @@ def cmd_export(args: argparse.Namespace) -> int:
     from polyrl.runs import saved_record
 
     checkpoint = Path(args.checkpoint)
+    if checkpoint.name == "checkpoints" and not (checkpoint / "meta.json").exists():  # RUN_DIR/checkpoints
+        checkpoint = checkpoint.parent
     if not (checkpoint / "meta.json").exists() and (checkpoint / "checkpoints").is_dir():  # a run directory
         checkpoint, _ = resume_checkpoint(checkpoint)  # its newest intact checkpoint (one line otherwise)
+    named = re.fullmatch(r"step_\d+", checkpoint.name)  # a checkpoint without meta.json: incomplete or corrupt
+    if checkpoint.is_dir() and not (checkpoint / "meta.json").exists() and not named:
+        inside = next((p for p in checkpoint.parents if (p / "meta.json").is_file()), None)  # e.g. step_N/adapter
+        raise ConfigError(f"{checkpoint} is not a checkpoint{f' (it is inside checkpoint {inside})' if inside else ''}"
+                          "; allowed: a run directory or its checkpoints/step_NNNNNN")
     verify_checkpoint(checkpoint)  # one line for a missing or corrupt checkpoint
     run = checkpoint.parent.parent
     model = args.model or (saved_record(str(run)) or {}).get("config", {}).get("model")
@@ -633,6 +641,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         print(f"polyrl: out of memory ({line[:200]}); lower the sizes that scale memory (batch, groups, group "
               "size, samples, hidden, layers, max new tokens)", file=sys.stderr)
+        return 1
+    except BrokenPipeError:  # `polyrl methods --json | head`: the reader left; quiet, as rich's tables are
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so that exit's flush cannot raise again
         return 1
     except Terminated as e:  # SIGTERM/SIGHUP while a command that unwinds on them ran (runs.signals_unwind)
         print(f"polyrl: terminated by a signal (exit code {e.code})", file=sys.stderr)

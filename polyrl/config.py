@@ -27,6 +27,7 @@ import textwrap
 import tomllib
 import types
 import typing
+from collections.abc import Collection
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal, NamedTuple
@@ -201,11 +202,12 @@ def _base_type(tp: Any) -> Any:
     return args[0] if typing.get_origin(tp) is not Literal and args else tp
 
 
-def load_toml(path: str | os.PathLike, cls: type = TrainConfig) -> dict[str, Any]:
+def load_toml(path: str | os.PathLike, cls: type = TrainConfig, flags_only: Collection[str] = ()) -> dict[str, Any]:
     """Read a TOML config into flat settings; keys are setting names (dashes allowed) or a feature's table.
 
     A table names a feature: ``[tree]`` then ``roots = "sample"`` is ``tree_roots`` (flags stay flat:
-    ``--tree-roots``); ``[guard]`` ``enabled = true`` is ``guard``. An unknown key anywhere is an error.
+    ``--tree-roots``); ``[guard]`` ``enabled = true`` is ``guard``. An unknown key anywhere is an error; one of
+    ``flags_only`` (the method's part overrides) is refused as given by flag only.
     """
     p = Path(path)
     named = f"config = {str(p)!r}"
@@ -239,6 +241,15 @@ def load_toml(path: str | os.PathLike, cls: type = TrainConfig) -> dict[str, Any
         for written, v in items:
             name = written.replace("-", "_")
             setting = by_table.get(name) if "." in name else name if name in known else None
+            if name in flags_only:
+                raise ConfigError(f"config file {str(p)!r}: {written!r} is a part override of the method, given as "
+                                  f"a flag only (--{name.replace('_', '-')}); the file holds the run's settings")
+            tables = {f.name for f in fields(cls) if _is_section(f)} | {f.default_factory.PREFIX for f in fields(cls)
+                                                                         if _is_section(f)}
+            if name in tables and not isinstance(v, dict):
+                keys = sorted(k.split(".", 1)[1] for k in by_table if k.startswith(f"{name}."))
+                raise ConfigError(f"config file {str(p)!r}: {written!r} is a table; write [{name}] with its keys "
+                                  f"({', '.join(keys)})")
             if setting is None or isinstance(v, dict):
                 near = difflib.get_close_matches(name, list(by_table) if "." in name else list(known), n=1)
                 hint = f" (did you mean {near[0]!r}?)" if near else ""

@@ -17,10 +17,13 @@ import difflib
 import inspect
 import math
 import re
+import sys
 import typing
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+from polyrl.plugins import FILE_MODULE_PREFIX
 
 
 class PartError(ValueError):
@@ -39,6 +42,13 @@ class Part:
         if not self.params:
             return self.name
         return self.name + ":" + ",".join(f"{k}={_fmt(v)}" for k, v in self.params.items())
+
+
+def _origin(fn: Callable[..., Any]) -> str:
+    """Where ``fn`` was defined, for a message: a plugin file's path (its module's name is private), else the module."""
+    module = sys.modules.get(fn.__module__)
+    path = getattr(module, "__file__", None)
+    return repr(path) if path and fn.__module__.startswith(FILE_MODULE_PREFIX) else fn.__module__
 
 
 @dataclass(frozen=True)
@@ -178,8 +188,9 @@ class Registry:
         """Register ``fn`` under ``name``; keyword-only parameters become its validated settings."""
 
         def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
-            if name in self._specs:
-                raise ValueError(f"{self.kind} {name!r} is registered twice")
+            if name in self._specs:  # a plugin loads before the built-ins: name both, so the message names the plugin
+                raise PartError(f"{self.kind} {name!r} is registered twice, by {_origin(self._specs[name].fn)} and "
+                                f"by {_origin(fn)}; give one of them another name")
             sig = inspect.signature(fn)
             hints = typing.get_type_hints(fn)
             settings = {k: p for k, p in sig.parameters.items() if p.kind is inspect.Parameter.KEYWORD_ONLY}

@@ -59,6 +59,7 @@ class TrainState:
     last_samples: list | None = None  # a few (prompt, completion, reward) of the latest batch, for samples.jsonl
     source: dict | None = None  # the rollout source's state (pass-rate histories), saved with each checkpoint
     coefs: dict | None = None  # the method's adapted coefficients (adaptive KL beta, entropy alpha): Controller state
+    timing: dict | None = None  # wall and RL-step seconds, steps and rollouts up to this save: a resume adds to them
 
 
 def _seed_everything(seed: int) -> None:
@@ -128,6 +129,11 @@ def _train(cfg: TrainConfig, method: Method, parts: Components, *, task: Task, m
     started = time.perf_counter()
     steps_done = rollouts = 0
     step_seconds = 0.0  # time inside RL steps only (no evaluation or checkpointing)
+    before = {"wall": 0.0, "step_seconds": 0.0, "steps": 0, "rollouts": 0, **(state.timing or {})}  # earlier segments
+
+    def timing() -> dict[str, float]:  # the whole run's, so that a resumed run's summary is not its last segment's
+        return {"wall": before["wall"] + time.perf_counter() - started, "step_seconds": before["step_seconds"] +
+                step_seconds, "steps": before["steps"] + steps_done, "rollouts": before["rollouts"] + rollouts}
     try:
         with StepProgress(console, "RL step", cfg.steps, completed=state.step) as bar:
             while state.step < cfg.steps:
@@ -162,19 +168,20 @@ def _train(cfg: TrainConfig, method: Method, parts: Components, *, task: Task, m
                     logger.samples(state.step, state.last_samples)
                 bar.update(state.step, info=f"reward {metrics.get('reward/mean', float('nan')):.3f}")
                 if cfg.checkpoint_every and state.step % cfg.checkpoint_every == 0 and state.step < cfg.steps:
+                    state.timing = timing()
                     _save(parts, run, state)
     finally:
         parts.source.close()
     last = parts.evaluate(state.step, state.solved_before)[0]
     logger.log(state.step, last)
+    state.timing = total = timing()
     _save(parts, run, state)
-    wall = time.perf_counter() - started
     logger.close()
     summary = {
         "method": method.name, "task": task.name, "model": model_dir, **parts.run_info, "steps": state.step,
-        "eval_before": state.eval_before, **parts.evaluate.summary(last), "wall_seconds": wall,
-        "seconds_per_step": step_seconds / max(1, steps_done),
-        "rollouts_per_second": rollouts / max(step_seconds, 1e-9),
+        "eval_before": state.eval_before, **parts.evaluate.summary(last), "wall_seconds": total["wall"],
+        "seconds_per_step": total["step_seconds"] / max(1, total["steps"]),
+        "rollouts_per_second": total["rollouts"] / max(total["step_seconds"], 1e-9),
         "skipped_steps": state.skipped_total, "peak_rss_mb": peak_rss_mb(),
     }
     if parts.writes:

@@ -120,6 +120,20 @@ def test_toml_tables_name_features_and_unknown_keys_are_refused(tmp_path):
     bad.write_text('[tree]\nrots = "sample"\n')
     with pytest.raises(ConfigError, match=r"unknown field 'tree.rots' \(did you mean 'tree.roots'\?\)"):
         load_toml(bad)
+    bad.write_text("tree = 5\n")  # it said "unknown field 'tree' (did you mean 'resume'?)"
+    with pytest.raises(ConfigError, match=r"'tree' is a table; write \[tree\] with its keys \(branch, .*roots\)"):
+        load_toml(bad)
+
+
+def test_a_part_override_in_a_toml_file_is_refused_as_a_flag_only_setting(tmp_path, capsys):
+    """`trust_region = "clip"` in --config was an unknown field whose allowed list left the part overrides out."""
+    from polyrl.cli import main
+
+    (tmp_path / "c.toml").write_text('trust_region = "clip"\n')
+    assert main(["train", "--config", str(tmp_path / "c.toml"), "--run-dir", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err
+    assert "'trust_region' is a part override of the method, given as a flag only (--trust-region)" in err, err
+    assert err.count("\n") == 1 and not (tmp_path / "r").exists()
 
 
 def _tree_batch(rewards):

@@ -295,6 +295,35 @@ def test_a_plugin_that_exits_on_import_is_refused(tmp_path, capsys):
     one_line_error(capsys, "plugin_exits.py", "sys.exit(0)")
 
 
+def test_a_plugin_that_takes_a_built_in_name_is_one_line_naming_its_file(tmp_path):
+    """A plugin registering trust region 'clip' ran before the built-ins, so the built-in module raised: a traceback
+    through polyrl's own code that did not name the plugin."""
+    import subprocess
+    import sys
+
+    plugin = tmp_path / "dup.py"
+    plugin.write_text("from polyrl.registry import TRUST_REGIONS\n\n@TRUST_REGIONS.register('clip')\n"
+                      "def clip(inp, lr):\n    return lr, {}\n")
+    proc = subprocess.run([sys.executable, "-m", "polyrl.cli", "--plugin", str(plugin), "methods"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.count("\n") == 1 and "trust_region 'clip' is registered twice" in proc.stderr, proc.stderr
+    assert str(plugin) in proc.stderr and "polyrl.objectives.trust_regions" in proc.stderr, proc.stderr
+
+
+def test_output_into_a_closed_pipe_ends_quietly():
+    """`polyrl methods --json | head -1` ended in a BrokenPipeError traceback (rich's tables already exit quietly)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-m", "polyrl.cli", "methods", "--json"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "["
+    proc.stdout.close()  # as head does after its line
+    err = proc.stderr.read()
+    assert proc.wait(timeout=120) == 1 and err == "", err
+
+
 def test_train_with_a_reward_module_that_exits_on_import(tmp_path, capsys, no_training, tiny_model):
     (tmp_path / "rf_exit_train.py").write_text("import sys\nsys.exit(0)\n")
     assert main(["train", "--model", tiny_model, "--run-dir", str(tmp_path / "r"),

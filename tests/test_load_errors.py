@@ -80,6 +80,24 @@ def test_export_never_writes_into_a_run_or_checkpoint(run, tmp_path, capsys):
     verify_checkpoint(other / "checkpoints" / "step_000001")
 
 
+def test_export_takes_the_checkpoints_folder_and_names_a_folder_inside_a_checkpoint(run, tmp_path, capsys):
+    """`export RUN/checkpoints` and `export RUN/checkpoints/step_N/adapter` said the checkpoint was "incomplete or
+    corrupt"; a folder of checkpoints is its run's, and a folder inside one is named as such. A step_N folder whose
+    meta.json is gone is still incomplete."""
+    (run / "checkpoints" / "step_000002" / "inner").mkdir()
+    assert main(["export", str(run / "checkpoints" / "step_000002" / "inner"), str(tmp_path / "a")]) == 2
+    _one_line_error(capsys, "inner is not a checkpoint (it is inside checkpoint", "step_000002)",
+                    "allowed: a run directory or its checkpoints/step_NNNNNN")
+    assert main(["export", str(run / "checkpoints"), str(tmp_path / "b")]) == 0
+    assert json.loads((tmp_path / "b" / EXPORT_MARKER).read_text())["checkpoint"].endswith("step_000002")
+    broken = run / "checkpoints" / "step_000009"
+    broken.mkdir()
+    assert main(["export", str(broken), str(tmp_path / "c")]) == 2
+    _one_line_error(capsys, "has no readable meta.json", "incomplete or corrupt")
+    shutil.rmtree(broken)
+    (run / "checkpoints" / "step_000002" / "inner").rmdir()
+
+
 def test_export_destination_must_be_new_empty_or_a_previous_export(run, tiny_model, tmp_path, capsys):
     afile = tmp_path / "afile"
     afile.write_text("keep me")

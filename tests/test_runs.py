@@ -262,12 +262,46 @@ def test_a_run_started_with_overwrite_resumes_and_keeps_each_resume_change(tiny_
     assert _step_rows(run) == [1, 2, 3, 4]
 
 
-def test_resuming_a_finished_run_logs_its_final_evaluation_once(tiny_model, tmp_path, capsys):
+def test_resume_takes_a_flag_that_asks_for_the_runs_own_value_however_it_is_written(tiny_model, tmp_path, capsys):
+    """--reward-weights 1.0,0.20 against a saved '1,0.2', the preset's own --kl-coef or --trust-region clip, and
+    --reward-funcs task (the default) were refused as differing: the check compared spellings, not what runs."""
+    run = tmp_path / "run"
+    assert _cli([*_small(tiny_model, run), "--steps", "1", "--reward-funcs", "task,task", "--reward-weights",
+                 "1,0.2"], capsys)[0] == 0
+    same = (["--reward-weights", "1.0,0.20"], ["--kl-coef", "0.04"], ["--trust-region", "clip"],
+            ["--trust-region", "clip:eps_high=0.2"])
+    for steps, flag in enumerate(same, start=2):
+        code, err = _cli(["train", "--run-dir", str(run), "--resume", "--steps", str(steps), *flag], capsys)
+        assert code == 0, (flag, err)
+    history = [json.loads(line) for line in (run / "config_history.jsonl").read_text().splitlines()]
+    assert [h["changes"] for h in history] == [{"steps": [s - 1, s]} for s in range(2, 6)]
+    for flag, fragment in ((["--reward-weights", "1,0.3"], "reward_weights = '1,0.3' differs"),
+                           (["--kl-coef", "0.05"], "--kl-coef 0.05 differs")):
+        code, err = _cli(["train", "--run-dir", str(run), "--resume", "--steps", "6", *flag], capsys)
+        assert code == 2 and fragment in err, err
+    plain = tmp_path / "plain"
+    assert _cli([*_small(tiny_model, plain), "--steps", "1"], capsys)[0] == 0
+    assert _cli(["train", "--run-dir", str(plain), "--resume", "--steps", "2", "--reward-funcs", "task"], capsys)[0] == 0
+
+
+def test_resuming_a_finished_run_logs_its_final_evaluation_once_and_keeps_its_timing(tiny_model, tmp_path, capsys):
+    """A resume that ran no step wrote seconds_per_step 0.0 and rollouts_per_second 0.0 over the run's figures, and
+    an extended run's wall_seconds covered its last segment only."""
     run = tmp_path / "run"
     assert _cli([*_small(tiny_model, run), "--steps", "2"], capsys)[0] == 0
+    first = json.loads((run / "summary.json").read_text())
     assert _cli(["train", "--run-dir", str(run), "--resume"], capsys)[0] == 0
     final = [r for r in _rows(run) if r["step"] == 2 and all(k == "step" or k.startswith("eval/") for k in r)]
     assert len(final) == 1
+    again = json.loads((run / "summary.json").read_text())
+    assert again["seconds_per_step"] == first["seconds_per_step"] > 0
+    assert again["rollouts_per_second"] == first["rollouts_per_second"] > 0
+    assert again["wall_seconds"] > first["wall_seconds"]  # plus this command's final evaluation
+    assert _cli(["train", "--run-dir", str(run), "--resume", "--steps", "3"], capsys)[0] == 0
+    third = json.loads((run / "summary.json").read_text())
+    step_times = [r["perf/step_seconds"] for r in _rows(run) if "perf/step_seconds" in r]
+    assert len(step_times) == 3 and third["seconds_per_step"] == pytest.approx(sum(step_times) / 3, rel=1e-6)
+    assert third["wall_seconds"] > again["wall_seconds"]
 
 
 def test_a_directory_that_holds_a_run_is_not_reused_without_overwrite(tiny_model, tmp_path, capsys):

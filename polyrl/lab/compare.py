@@ -129,9 +129,10 @@ def refuse_run_settings(config: str | None) -> None:
     would win over it unseen (a TOML ``task = "calculator"`` trained addition)."""
     if not config:
         return
+    from polyrl.build import METHOD_OVERRIDES
     from polyrl.config import load_toml
 
-    values = load_toml(config)
+    values = load_toml(config, flags_only=METHOD_OVERRIDES)
     for flag, why in RUN_FLAGS.items():
         key = flag[2:].replace("-", "_")
         if key in values:
@@ -141,10 +142,12 @@ def refuse_run_settings(config: str | None) -> None:
 def threads_given(parse: Callable[[list[str]], argparse.Namespace], flags: list[str]) -> bool:
     """Whether train ``flags`` set the thread count, as a flag in any form argparse takes or in their --config TOML
     (then compare does not split the cores between runs itself)."""
+    from polyrl.build import METHOD_OVERRIDES
     from polyrl.config import load_toml
 
     args = parse(flags)
-    return args.threads is not None or bool(args.config and "threads" in load_toml(args.config))
+    return args.threads is not None or bool(args.config and "threads" in load_toml(args.config,
+                                                                                     flags_only=METHOD_OVERRIDES))
 
 
 def plan_runs(methods: list[str], seeds: list[int], out: Path, shared: list[str],
