@@ -281,7 +281,8 @@ def test_resume_takes_a_flag_that_asks_for_the_runs_own_value_however_it_is_writ
         assert code == 2 and fragment in err, err
     plain = tmp_path / "plain"
     assert _cli([*_small(tiny_model, plain), "--steps", "1"], capsys)[0] == 0
-    assert _cli(["train", "--run-dir", str(plain), "--resume", "--steps", "2", "--reward-funcs", "task"], capsys)[0] == 0
+    code, err = _cli(["train", "--run-dir", str(plain), "--resume", "--steps", "2", "--reward-funcs", "task"], capsys)
+    assert code == 0, err
 
 
 def test_resuming_a_finished_run_logs_its_final_evaluation_once_and_keeps_its_timing(tiny_model, tmp_path, capsys):
