@@ -419,6 +419,9 @@ def cmd_compare(args: argparse.Namespace) -> int:
         raise ConfigError(f"collapse_drop = {args.collapse_drop} is not allowed: a fraction in (0, 1], e.g. 0.5")
     if not math.isfinite(args.threshold):
         raise ConfigError(f"threshold = {args.threshold} is not allowed: a finite number (a held-out accuracy)")
+    if not getattr(args, "family", None) and not 0.0 <= args.threshold <= 1.0:  # a family's may be any reward
+        raise ConfigError(f"threshold = {args.threshold:g} is not allowed: a held-out accuracy in [0, 1] (beyond it "
+                          "no run can ever reach it)")
     per_method = parse_method_args(args.method_args, methods)
     # every run loads the --plugin modules this command loaded (its presets and parts were checked with them)
     plugins = tuple(a for m in args.plugin for a in ("--plugin", str(Path(m).resolve()) if m.endswith(".py") else m))

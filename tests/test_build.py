@@ -241,6 +241,16 @@ def test_reward_weights_must_be_finite(weights):
         parse_reward_specs("task,task", weights)
 
 
+@pytest.mark.parametrize("weights", ["0", "0,0.0"])
+def test_reward_weights_that_are_all_zero_are_refused(weights):
+    """``--reward-weights 0`` trained with every reward 0 (so every advantage 0): nothing learned, exit 0."""
+    from polyrl.tasks.rewards import parse_reward_specs
+
+    with pytest.raises(ValueError, match=rf"reward_weights = '{weights}' must not all be 0"):
+        parse_reward_specs("task" if weights == "0" else "task,task", weights)
+    assert parse_reward_specs("task,task", "0,1")[1] == [0.0, 1.0]  # a channel off is fine
+
+
 def test_a_small_held_out_split_is_evaluated_once_per_prompt(tiny_model, tmp_path):
     """--eval-prompts above a data file's held-out split: the task cycles through the split, and greedy decoding
     scored each repeat alike, weighing some prompts more (200 of 7 prompts: 29 or 28 times each). The evaluation takes

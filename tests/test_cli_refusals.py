@@ -255,7 +255,7 @@ def test_a_stopped_compare_stops_the_runs_it_started(tmp_path, monkeypatch):
 @pytest.mark.parametrize("flag, value", [
     ("--ci", "5"), ("--ci", "0"), ("--ci", "1"), ("--ci", "nan"),
     ("--collapse-drop", "0"), ("--collapse-drop", "-3"), ("--collapse-drop", "1.5"), ("--collapse-drop", "nan"),
-    ("--threshold", "nan"), ("--threshold", "inf"),
+    ("--threshold", "nan"), ("--threshold", "inf"), ("--threshold", "2"), ("--threshold", "-0.5"),
 ])
 def test_compare_checks_its_analysis_settings_before_any_run(tmp_path, capsys, no_runs, tiny_model, flag, value):
     assert main(compare(tmp_path, "--model", tiny_model, flag, value)) == 2

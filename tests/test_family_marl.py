@@ -225,5 +225,5 @@ def test_resume_config_allows_only_run_control_changes(tmp_path):
     assert cfg.steps == 6 and method == "ippo" and changes == {"steps": [2, 6]}
     with pytest.raises(ConfigError, match="^lr = 0.1 differs"):
         resume_config(tmp_path, {"lr": 0.1})
-    with pytest.raises(ConfigError, match="no checkpoint.pt"):
+    with pytest.raises(ConfigError, match="holds no run \\(no config.json\\) to resume"):
         resume_config(tmp_path / "missing", {})

@@ -60,6 +60,8 @@ def parse_reward_specs(funcs: str | None, weights: str | None) -> tuple[list[str
         raise ValueError(f"reward_weights = {weights!r} must be comma-separated numbers") from None
     if values is not None and not all(math.isfinite(v) for v in values):
         raise ValueError(f"reward_weights = {weights!r} must be finite numbers")
+    if values is not None and not any(values):  # every reward 0: every advantage 0, and the run trains nothing
+        raise ValueError(f"reward_weights = {weights!r} must not all be 0 (every reward would be 0)")
     return specs, values
 
 
