@@ -197,21 +197,25 @@ def test_every_tool_has_overwrite(tools, tool):
 
 
 def test_prepare_out_with_overwrite_sets_the_old_results_aside(tmp_path):
-    """--overwrite hides the finished run's results.json and report.html (the folder holds no finished run while
-    the new one runs); settle_out puts them back unless a new results.json was written, then deletes them."""
-    for name in ("results.json", "report.html", "curves.png"):
+    """--overwrite hides the finished run's results.json, report.html and figures (the folder holds no finished run
+    while the new one runs); settle_out puts them back unless a new results.json was written, then deletes them, so
+    a figure the new run did not draw (bias-probe's lm_curves.png after a rerun with --seeds 0) is not left behind."""
+    for name in ("results.json", "report.html", "curves.png", "lm_curves.png", "notes.txt"):
         (tmp_path / name).write_text("old")
     args = argparse.Namespace(out=str(tmp_path / "."), overwrite=True)
     assert prepare_out(args).is_dir()
-    assert sorted(p.name for p in tmp_path.iterdir()) == [".report.html.replaced", ".results.json.replaced",
-                                                          "curves.png"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".curves.png.replaced", ".lm_curves.png.replaced",
+                                                          ".report.html.replaced", ".results.json.replaced",
+                                                          "notes.txt"]
     assert settle_out(tmp_path) is True  # the run stopped before its results: the old ones are back
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["curves.png", "report.html", "results.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["curves.png", "lm_curves.png", "notes.txt", "report.html",
+                                                          "results.json"]
     prepare_out(args)
     (tmp_path / "results.json").write_text("new")
+    (tmp_path / "curves.png").write_text("new")
     assert settle_out(tmp_path) is False
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["curves.png", "results.json"]
-    assert (tmp_path / "results.json").read_text() == "new"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["curves.png", "notes.txt", "results.json"]
+    assert (tmp_path / "results.json").read_text() == "new" and (tmp_path / "curves.png").read_text() == "new"
     new = argparse.Namespace(out=str(tmp_path / "a" / "b"), overwrite=False)
     assert prepare_out(new).is_dir()
     (tmp_path / "file").write_text("x")

@@ -97,11 +97,11 @@ def prepare_out(args: argparse.Namespace) -> Path:
     """Create ``--out``, refusing one that holds a finished run (``results.json``) unless ``--overwrite``.
 
     Called after the options are checked and before any work, so a refused rerun changes nothing on disk. With
-    ``--overwrite`` the old results.json and report.html (which embeds its figures) are set aside as hidden files
-    in ``--out``, so the folder visibly holds no finished run while the new one runs; ``settle_out`` deletes them
-    once the new results.json is written and puts them back when the command ends before that (a refusal, a
-    failure, Ctrl-C, SIGTERM; after a kill, the next command on that ``--out``). Loose figures beside them may then
-    be the stopped run's.
+    ``--overwrite`` the old results.json, report.html and figures (``*.png``) are set aside as hidden files in
+    ``--out``, so the folder visibly holds no finished run while the new one runs; ``settle_out`` deletes them
+    once the new results.json is written (a figure the new run does not draw is not left behind as if it were its
+    own) and puts them back when the command ends before that (a refusal, a failure, Ctrl-C, SIGTERM; after a
+    kill, the next command on that ``--out``).
     """
     out = Path(args.out)
     if out.exists() and not out.is_dir():
@@ -114,7 +114,8 @@ def prepare_out(args: argparse.Namespace) -> Path:
         if not getattr(args, "overwrite", False):
             raise ConfigError(f"--out = '{out}' already holds {RESULTS} from an earlier run; pass --overwrite to "
                               "replace it or choose another --out")
-        for name in (RESULTS, REPORT):  # results.json first: while it is there, the run counts as finished
+        figures = sorted(p.name for p in out.glob("*.png") if p.is_file())  # a figure the new run may not draw
+        for name in (RESULTS, REPORT, *figures):  # results.json first: while it is there, the run counts as finished
             if (out / name).exists():
                 (out / name).replace(_aside(out, name))
     try:
@@ -131,7 +132,7 @@ def _aside(out: Path, name: str) -> Path:
 def settle_out(out: Path) -> bool:
     """After a run in ``out`` (or a killed one): delete the finished run's files ``prepare_out`` set aside when a new
     results.json is there, else put them back. Returns whether something was put back."""
-    aside = [(name, _aside(out, name)) for name in (RESULTS, REPORT) if _aside(out, name).exists()]
+    aside = [(p.name[1:-len(".replaced")], p) for p in out.glob(".*.replaced")] if out.is_dir() else []
     if not aside:
         return False
     finished = (out / RESULTS).exists() and not (out / RESULTS).is_symlink()
