@@ -118,6 +118,7 @@ def test_compare_refuses_a_method_flag_it_sets_per_run(tmp_path, capsys, no_runs
     ("=grpo", ["'=grpo' is not allowed"]),
     ("../esc=grpo", ["'../esc=grpo' is not allowed"]),
     ("x=", ["'x=' is not allowed"]),
+    ("eps0.3=grpo", ["'eps0.3=grpo' is not allowed", "no '/' or '.'"]),  # every report cell of it was blank
 ])
 def test_compare_refuses_labels_that_would_drop_or_misplace_a_method(tmp_path, capsys, no_runs, tiny_model, methods,
                                                                      words):
@@ -134,6 +135,21 @@ def test_compare_with_no_finished_run_says_so_in_one_line(tmp_path, capsys, monk
     monkeypatch.setattr("polyrl.lab.compare.run_all", lambda specs, **k: [(s, 1, 0.0) for s in specs])
     assert main(compare(tmp_path, "--model", tiny_model)) == 1
     one_line_error(capsys, "no run", "train.log")
+
+
+def test_compare_checks_an_interrupted_run_before_any_run_starts(tmp_path, capsys, no_runs, tiny_model):
+    """An interrupted run asked for another --lr (or fewer steps than its checkpoint) started anyway; its resume was
+    refused in the child, and the report then ranked the interrupted run's old rows as this command's."""
+    run = tmp_path / "c" / "grpo" / "seed0"
+    small = ["--model", tiny_model, "--prompts-per-step", "2", "--group-size", "2", "--eval-prompts", "4"]
+    assert main(["train", *small, "--run-dir", str(run), "--steps", "2", "--checkpoint-every", "1"]) == 0
+    (run / "summary.json").unlink()  # as a run stopped after its checkpoint at step 2 leaves it
+    capsys.readouterr()
+    assert main(compare(tmp_path, *small, "--lr", "3e-4")) == 2
+    one_line_error(capsys, "seed0 stopped with lr = 0.0001, and this compare gives lr = 0.0003")
+    assert main(compare(tmp_path, *small, "--steps", "1")) == 2  # the last --steps is the one taken
+    one_line_error(capsys, "seed0 stopped with steps", "its checkpoint at step 2", "gives steps = 1")
+    assert not (tmp_path / "c" / "grpo" / "seed0.train.log").exists()
 
 
 def test_compare_refuses_an_out_of_someone_elses_files(tmp_path, capsys, no_runs, tiny_model):

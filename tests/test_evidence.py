@@ -117,6 +117,30 @@ def test_cli_list_takes_claims_and_report_only_reports_every_claim(tmp_path, cap
     assert "## dapo_clip_higher" in (tmp_path / "evidence.md").read_text()
 
 
+@pytest.mark.parametrize("held, argv, fragment", [
+    ("{", ["--report-only"], "cannot be read as JSON"),  # a JSONDecodeError traceback
+    ("{}", ["--report-only"], "is not an evidence results.json"),  # KeyError: 'claims'
+    ('{"methods": {}, "ranking": []}', ["--claims", "dapo_clip_higher"], "is not an evidence results.json"),
+    ("[1]", ["--claims", "dapo_clip_higher"], "it holds list"),  # AttributeError: 'list' object has no 'update'
+    ("QUICK", ["--report-only", "--budget", "full"], "holds the 'quick' budget's evidence"),  # wrote docs/ from it
+    ("QUICK", ["--claims", "dapo_clip_higher", "--budget", "full"], "holds the 'quick' budget's evidence"),
+])
+def test_an_out_that_holds_no_evidence_of_this_budget_is_refused_before_anything_runs(held, argv, fragment,
+                                                                                       tmp_path, capsys, monkeypatch):
+    """A damaged results.json was a traceback; a compare's --out had the evidence merged into its results.json; and
+    --report-only --budget full wrote docs/evidence from quick-budget results."""
+    monkeypatch.chdir(tmp_path)  # docs/ would be written here
+    monkeypatch.setattr("polyrl.lab.evidence.run_evidence", lambda *a, **k: pytest.fail("a claim ran"))
+    out = tmp_path / "out"
+    out.mkdir()
+    text = json.dumps(_results("holds", None)) if held == "QUICK" else held
+    (out / "results.json").write_text(text)
+    rc, err = _evidence(capsys, *argv, "--out", str(out))
+    assert rc == 2 and len(err) == 1 and fragment in err[0], err
+    assert [p.name for p in out.iterdir()] == ["results.json"] and (out / "results.json").read_text() == text
+    assert not (tmp_path / "docs").exists()
+
+
 def test_run_evidence_and_pmap_refuse_workers_below_one(tmp_path):
     from polyrl.lab.claims_families import _pmap
 

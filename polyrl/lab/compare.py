@@ -50,14 +50,15 @@ def split_label(entry: str) -> tuple[str, str]:
 
 def method_labels(methods: str) -> dict[str, str]:
     """``--methods a,tree=grpo`` -> {label: preset}. A label names the method's folder under --out and its rows in
-    the results: one that is empty, repeated (the later one silently replaced the earlier) or not a plain folder
-    name (``../x`` wrote outside --out) is refused in one line."""
+    the results: one that is empty, repeated (the later one silently replaced the earlier), not a plain folder name
+    (``../x`` wrote outside --out) or holding a '.' (the report's cells look values up by dotted paths such as
+    ``methods.LABEL.final``: every cell of ``eps0.3`` was blank) is refused in one line."""
     out: dict[str, str] = {}
     for entry in (m for m in methods.split(",") if m.strip()):
         label, preset = split_label(entry)
-        if not label or not preset or label.startswith(".") or "/" in label or "\\" in label:
+        if not label or not preset or "." in label or "/" in label or "\\" in label:
             raise ConfigError(f"methods = {methods!r}: {entry.strip()!r} is not allowed; allowed: PRESET or "
-                              "LABEL=PRESET, LABEL a folder name under --out (no '/', not starting with '.')")
+                              "LABEL=PRESET, LABEL a folder name under --out with no '/' or '.' (e.g. eps0p3)")
         if label in out:
             raise ConfigError(f"methods = {methods!r}: {label!r} is given twice; give each method (or LABEL=PRESET "
                               "variant) once")
@@ -182,6 +183,8 @@ def plan_runs(methods: list[str], seeds: list[int], out: Path, shared: list[str]
             # a family without checkpoints (flow) trains a run asked for more steps again from the start
             saved = (checkpointed(run_dir) if checkpointed is not None else
                      resumable and (done or latest_checkpoint(run_dir) is not None))
+            if saved and not done:  # interrupted after a checkpoint: resumed with this command's flags
+                check_interrupted_run(run_dir, (expected or {}).get(method))
             resume = ["--resume"] if saved else ["--overwrite"]
             args = [*command, "--method", presets.get(method, method), "--seed", str(seed), "--run-dir", str(run_dir),
                     *(["--model", model] if model is not None else []),
@@ -217,10 +220,33 @@ def finished_run(run_dir: Path, expected: dict | None) -> bool:
     made with other settings, another preset or other parts (or fewer steps asked than it ran) is refused in one line:
     keeping it would report it as this command's. Run control, the seed and settings a resume may change (threads,
     eval_every...) do not count."""
+    differ, steps = _record_differences(run_dir, expected)
+    if steps is not None and steps[1] < steps[0]:
+        differ["steps"] = steps
+    _refuse_other_run(run_dir, "finished", differ)
+    return steps is None
+
+
+def check_interrupted_run(run_dir: Path, expected: dict | None) -> None:
+    """Refuse (ConfigError, one line) an interrupted run in ``run_dir`` that this command would resume with other
+    settings than it started with, or with fewer steps than its checkpoint: its resume would be refused once the
+    runs start, and the report would then rank the interrupted run's old rows as this command's."""
+    from polyrl.checkpoint import latest_checkpoint
+
+    differ, steps = _record_differences(run_dir, expected)
+    checkpoint = latest_checkpoint(run_dir)
+    if steps is not None and checkpoint is not None and steps[1] < int(checkpoint.name.split("_")[-1]):
+        differ["steps"] = [f"{steps[0]} (its checkpoint at step {int(checkpoint.name.split('_')[-1])})", steps[1]]
+    _refuse_other_run(run_dir, "stopped", differ)
+
+
+def _record_differences(run_dir: Path, expected: dict | None) -> tuple[dict[str, list], list | None]:
+    """The settings and record keys in which ``run_dir``'s run differs from ``expected`` ({key: [had, asked]}, run
+    control, the seed and what a resume may change left out), and [had, asked] steps when those differ."""
     from polyrl.runs import RESUME_MAY_CHANGE, RUN_CONTROL, effective_config, same_value, saved_record
 
     if expected is None:
-        return True
+        return {}, None
     saved = effective_config(run_dir) or {}
     differ = {k: [saved[k], v] for k, v in expected["config"].items()
               if k in saved and k not in (*RUN_CONTROL, "seed") and not same_value(saved[k], v)}
@@ -230,15 +256,15 @@ def finished_run(run_dir: Path, expected: dict | None) -> bool:
         if key != "config" and had != asked:
             differ["part overrides" if key == "overrides" else key] = [had, asked]
     steps = differ.pop("steps", None)
-    differ = {k: v for k, v in differ.items() if k not in RESUME_MAY_CHANGE}
-    if steps is not None and steps[1] < steps[0]:
-        differ["steps"] = steps
+    return {k: v for k, v in differ.items() if k not in RESUME_MAY_CHANGE}, steps
+
+
+def _refuse_other_run(run_dir: Path, how: str, differ: dict[str, list]) -> None:
     if differ:
         k, (old, new) = next(iter(differ.items()))
-        raise ConfigError(f"{run_dir} finished with {k} = {old!r}, and this compare gives {k} = {new!r}"
+        raise ConfigError(f"{run_dir} {how} with {k} = {old!r}, and this compare gives {k} = {new!r}"
                           f"{f' (and {len(differ) - 1} more)' if len(differ) > 1 else ''}: its results would be "
                           "reported as this command's; use another --out, or delete that run to run it again")
-    return steps is None
 
 
 def check_train_flags(parse: Callable[[list[str]], argparse.Namespace], model: str) -> Callable[[list[str]], dict]:

@@ -234,6 +234,23 @@ def check_args(args: Any) -> None:
                               "every claim in OUT/results.json; allowed with it: --budget, --out, --write-docs")
 
 
+def read_results(path: Path) -> dict[str, Any]:
+    """An evidence ``results.json`` ({"budget", "claims", ...}); anything else (a compare's results, a damaged file) is
+    a one-line ConfigError naming it, before a claim runs or a report is written over it."""
+    from polyrl.config import ConfigError
+
+    try:
+        results = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{path} cannot be read as JSON ({type(e).__name__}); allowed: an evidence results.json "
+                          "(use another --out, or delete it to run the claims again)") from None
+    if not (isinstance(results, dict) and isinstance(results.get("claims"), dict) and "budget" in results):
+        raise ConfigError(f"{path} is not an evidence results.json (an object with 'budget' and 'claims'; it holds "
+                          f"{sorted(results)[:6] if isinstance(results, dict) else type(results).__name__}); use "
+                          "another --out")
+    return results
+
+
 def cli_main(args: Any, console: Any) -> int:
     """`polyrl evidence`: --list, run the chosen claims at a budget (rich progress), write the reports."""
     from rich.table import Table
@@ -267,10 +284,16 @@ def cli_main(args: Any, console: Any) -> int:
         # updates theirs and keeps every other claim's in docs/evidence/results.json.
         out.mkdir(parents=True, exist_ok=True)
         (out / "results.json").write_text(docs_results.read_text())
+    if (out / "results.json").exists():  # before anything runs or is written: it must be this command's kind
+        held = read_results(out / "results.json")
+        if held["budget"] != budget and (args.budget is not None or not args.report_only):
+            raise ConfigError(f"out = {out}: its results.json holds the {held['budget']!r} budget's evidence, and "
+                              f"this command gives budget = {budget!r}; use another --out (the default is "
+                              "runs/evidence/BUDGET)")
     if args.report_only:
         if not (out / "results.json").exists():
             raise ConfigError(f"out = {out}: no results.json to report from; run without --report-only first")
-        results = json.loads((out / "results.json").read_text())
+        results = read_results(out / "results.json")
     else:
         from rich.progress import Progress
 
