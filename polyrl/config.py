@@ -362,7 +362,8 @@ def validate(config: TrainConfig) -> None:
         _rule("checkpoint_every", cfg.checkpoint_every, cfg.checkpoint_every >= 1,
               "must be >= 1 with --guard (the guard rolls back to a checkpoint)")
     _rule("tree_root_frac", cfg.tree_root_frac, 0 < cfg.tree_root_frac <= 1, "must be in (0, 1]")
-    _rule("tree_candidates", cfg.tree_candidates, cfg.tree_candidates >= 1, "must be >= 1")
+    _rule("tree_candidates", cfg.tree_candidates, 1 <= cfg.tree_candidates <= 1000, "must be in [1, 1000] (candidate "
+          "prompts a group slot; 1e5 drew and scored prompts for 18 s a step, 1e9 grew past 5 GB before step 1)")
     _rule("tree_prune", cfg.tree_prune, 0 <= cfg.tree_prune < 0.5, "must be in [0, 0.5)")
     _rule("tree_half_life", cfg.tree_half_life, cfg.tree_half_life >= 0, "must be >= 0 (0 = no ageing)")
     if cfg.agency is not None:

@@ -110,11 +110,14 @@ def _train(cfg: TrainConfig, method: Method, parts: Components, *, task: Task, m
         remove_partial_saves(run)  # .tmp_step_* of a save that was killed
     if resume_from is not None:
         state = _restore(parts, resume_from)
-        dropped = cut_logs(run, state.step) if parts.writes else 0  # rows after the checkpoint are redone now
+        on_schedule = bool(cfg.eval.every) and state.step % cfg.eval.every == 0 and state.step < cfg.steps
+        dropped = cut_logs(run, state.step, keep_eval=on_schedule) if parts.writes else 0  # rows after it: redone
         aside = set_aside_newer(run, state.step) if parts.writes else []  # a newer branch is never loaded again
         console.print(f"resumed from {resume_from} at step {state.step}"
                       + (f" ({dropped} logged rows after it dropped)" if dropped else "")
-                      + (f"; newer checkpoints kept as {', '.join(p.name for p in aside)}" if aside else ""))
+                      + (f"; newer checkpoints kept as {', '.join(p.name for p in aside)}" if aside else "")
+                      + ("; not bit-exact: the batches in flight were not saved, so the next is sampled with these "
+                         "weights, not staler ones" if cfg.prefetch.staleness else ""))
     logger = RunLogger(run, tensorboard=cfg.log.tensorboard, wandb=cfg.log.wandb, console=console,
                        table_every=cfg.log.every, config=to_dict(cfg),
                        history=read_rows(run) if resume_from is not None else None,

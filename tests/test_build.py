@@ -225,6 +225,13 @@ def test_a_value_of_the_wrong_type_names_what_is_allowed(name, value, allowed):
     assert str(e.value).startswith(f"{name} = {value!r}") and allowed in str(e.value), str(e.value)
 
 
+def test_tree_candidates_are_bounded():
+    """--tree-candidates 1e9 grew past 5 GB drawing candidate prompts before step 1, with no line saying why."""
+    validate(build_config({"sampler": "tree", "tree_candidates": 1000.0}))
+    with pytest.raises(ConfigError, match=r"tree_candidates = 1000000000.0 .*must be in \[1, 1000\]"):
+        validate(build_config({"sampler": "tree", "tree_candidates": 1e9}))
+
+
 @pytest.mark.parametrize("seed", [-1, 2**32])
 def test_a_seed_numpy_cannot_take_is_refused_before_the_run(seed):
     """``--seed -1`` reached ``np.random.seed`` in the trainer (a traceback, and a run directory left behind)."""

@@ -145,6 +145,12 @@ def test_bad_targets_and_moot_methods_are_refused(tiny_model, tmp_path, capsys):
                  "--steps", "1", "--run-dir", str(tmp_path / "r1"), "--threads", "1"])
     err = capsys.readouterr().err.strip()
     assert code == 2 and "nope matches no module" in err and "q_proj" in err and len(err.splitlines()) == 1
+    for block in ("mlp", "layers"):  # PEFT's error was the block's repr cut to its first line: "LlamaMLP("
+        code = main(["train", "--model", tiny_model, "--lora-rank", "4", "--lora-targets", block,
+                     "--steps", "1", "--run-dir", str(tmp_path / "r1"), "--threads", "1"])
+        err = capsys.readouterr().err.strip()
+        assert code == 2 and f"{block} is a block of modules, not a linear layer" in err and "q_proj" in err, err
+        assert len(err.splitlines()) == 1
     assert not (tmp_path / "r1").exists()  # the refused run leaves no record, so the corrected command is no rerun
     (tmp_path / "r1").mkdir()  # a directory the user made is kept, empty
     main(["train", "--model", tiny_model, "--lora-rank", "4", "--lora-targets", "nonexistent_proj",

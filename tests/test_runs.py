@@ -349,3 +349,17 @@ def test_threads_follow_the_cores_the_process_may_run_on(tiny_model):
             f"load_policy({tiny_model!r}); print(cores(), max_threads(), torch.get_num_threads())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.split() == ["1", "4", "1"], out.stderr[-2000:]
+
+
+def test_extending_a_run_keeps_the_evaluation_its_schedule_puts_at_the_checkpoint(tiny_model, tmp_path, capsys):
+    """A resume dropped the final evaluation at the checkpoint's step as one the resumed run would redo, although
+    the run went on past it and --eval-every put an evaluation there: the step had none, unlike an unbroken run."""
+    run, whole = tmp_path / "run", tmp_path / "whole"
+    assert _cli([*_small(tiny_model, run)[:-2], "--eval-every", "1", "--steps", "2"], capsys)[0] == 0
+    assert _cli(["train", "--run-dir", str(run), "--resume", "--steps", "3"], capsys)[0] == 0
+    assert _cli([*_small(tiny_model, whole)[:-2], "--eval-every", "1", "--steps", "3"], capsys)[0] == 0
+
+    def evals(path):
+        return [(r["step"], r["eval/accuracy"]) for r in _rows(path) if "eval/accuracy" in r]
+
+    assert [s for s, _ in evals(run)] == [0, 1, 2, 3] and evals(run) == evals(whole)

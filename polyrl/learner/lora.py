@@ -45,11 +45,18 @@ def add_adapters(model: nn.Module, *, rank: int, alpha: float, targets: str, dro
     if isinstance(names, list):  # PEFT refuses only when no name matches: one stray name would be ignored
         modules = [name for name, _ in model.named_modules()]  # PEFT's rule: the full name or its dotted suffix
         missing = [n for n in names if not any(m == n or m.endswith("." + n) for m in modules)]
+        linear = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules()
+                         if isinstance(m, nn.Linear) and m is not head})
         if missing:
-            linear = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules()
-                             if isinstance(m, nn.Linear) and m is not head})
             raise ValueError(f"lora_targets = {targets!r}: {', '.join(missing)} "
                              f"match{'es' if len(missing) == 1 else ''} no module of the model; "
+                             f"allowed: all-linear or names among {', '.join(linear)}")
+        blocks = [n for n in names  # PEFT's error then printed the module's repr, cut to its first line
+                  if not any(isinstance(m, nn.Linear) for full, m in model.named_modules()
+                             if full == n or full.endswith("." + n))]
+        if blocks:
+            raise ValueError(f"lora_targets = {targets!r}: {', '.join(blocks)} "
+                             f"{'is a block' if len(blocks) == 1 else 'are blocks'} of modules, not a linear layer; "
                              f"allowed: all-linear or names among {', '.join(linear)}")
     config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=names, bias="none")
     try:
