@@ -105,6 +105,7 @@ def resolve_train(args: argparse.Namespace, *, claim: Callable[[str], None] | No
 
     ``claim(run_dir)`` is called once the run directory is known, before anything reads or changes it (the
     command's hold on it: ``runs.run_lock``)."""
+    from polyrl.checkpoint import latest_checkpoint
     from polyrl.config import build_config, load_toml, validate
     from polyrl.runs import absolute_paths
     from polyrl.tasks import get_task
@@ -134,6 +135,9 @@ def resolve_train(args: argparse.Namespace, *, claim: Callable[[str], None] | No
     if given.resume and not given.overwrite:
         values, overrides, changes = _resume_settings(run_dir, values, overrides, notes)
     cfg = build_config(values)
+    if cfg.resume and cfg.prefetch.staleness and latest_checkpoint(run_dir) is not None:
+        notes.append("an asynchronous run resumes close to, not exactly as, an unbroken one: the batches in flight "
+                     "were not saved, so the first one is sampled with the checkpoint's weights, not staler ones")
     cfg.run_dir = run_dir
     _processes_from_launcher(cfg, getattr(args, "nproc", None) is not None)
     validate(cfg)

@@ -115,9 +115,7 @@ def _train(cfg: TrainConfig, method: Method, parts: Components, *, task: Task, m
         aside = set_aside_newer(run, state.step) if parts.writes else []  # a newer branch is never loaded again
         console.print(f"resumed from {resume_from} at step {state.step}"
                       + (f" ({dropped} logged rows after it dropped)" if dropped else "")
-                      + (f"; newer checkpoints kept as {', '.join(p.name for p in aside)}" if aside else "")
-                      + ("; not bit-exact: the batches in flight were not saved, so the next is sampled with these "
-                         "weights, not staler ones" if cfg.prefetch.staleness else ""))
+                      + (f"; newer checkpoints kept as {', '.join(p.name for p in aside)}" if aside else ""))
     logger = RunLogger(run, tensorboard=cfg.log.tensorboard, wandb=cfg.log.wandb, console=console,
                        table_every=cfg.log.every, config=to_dict(cfg),
                        history=read_rows(run) if resume_from is not None else None,
