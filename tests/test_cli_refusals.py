@@ -265,6 +265,31 @@ def test_a_stopped_compare_stops_the_runs_it_started(tmp_path, monkeypatch):
     assert not (tmp_path / "grpo" / "seed1.train.log").exists()  # the second run never started
 
 
+def test_a_resumed_run_keeps_its_interrupted_log_and_a_new_one_starts_afresh(tmp_path, monkeypatch):
+    """compare opened each run's train.log with "w": resuming an interrupted run replaced the log of how it stopped."""
+    import subprocess
+    import sys
+
+    from rich.console import Console
+
+    from polyrl.lab import compare as lab
+
+    real = subprocess.Popen
+    monkeypatch.setattr(lab.subprocess, "Popen",
+                        lambda argv, **kw: real([sys.executable, "-c", "print('this attempt')"], **kw))
+    log = tmp_path / "grpo" / "seed0.train.log"
+    log.parent.mkdir()
+    log.write_text("step 75: Terminated\n")
+    resumed = lab.RunSpec("grpo", 0, tmp_path / "grpo" / "seed0", ["train", "--resume"])
+    assert [code for _, code, _ in lab.run_all([resumed], workers=1, console=Console(quiet=True))] == [0]
+    lines = log.read_text().splitlines()
+    assert lines[0] == "step 75: Terminated" and lines[1].startswith("--- resumed by compare: polyrl train --resume")
+    assert lines[2] == "this attempt"
+    fresh = lab.RunSpec("grpo", 0, tmp_path / "grpo" / "seed0", ["train", "--overwrite"])
+    lab.run_all([fresh], workers=1, console=Console(quiet=True))
+    assert log.read_text() == "this attempt\n"
+
+
 # 2. the analysis settings are checked before the first run
 
 

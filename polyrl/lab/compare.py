@@ -303,7 +303,11 @@ def run_all(specs: list[RunSpec], *, workers: int, console: Console) -> list[tup
             return spec, -signal.SIGTERM, 0.0
         spec.run_dir.mkdir(parents=True, exist_ok=True)
         t0 = time.perf_counter()
-        with open(spec.run_dir.parent / f"{spec.run_dir.name}.train.log", "w") as log:
+        resumed = "--resume" in spec.args  # the interrupted run's log is kept: its error or last steps came first
+        with open(spec.run_dir.parent / f"{spec.run_dir.name}.train.log", "a" if resumed else "w") as log:
+            if resumed:
+                log.write(f"--- resumed by compare: polyrl {' '.join(spec.args)}\n")
+                log.flush()
             with lock:
                 if stopping.is_set():
                     return spec, -signal.SIGTERM, 0.0
