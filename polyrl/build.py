@@ -413,11 +413,10 @@ def _as_saved(saved: dict[str, Any], given: dict[str, Any]) -> dict[str, Any]:
         except ValueError:  # a bad value is refused by name once the config is built
             return None
 
-    out = dict(given)
+    out, own = dict(given), resolved(saved)
     for name in ("reward_funcs", "reward_weights"):
         if out.get(name) is not None and name in saved and out[name] != saved[name]:
-            mixed = {**saved, name: out[name]}
-            if resolved(mixed) is not None and resolved(mixed) == resolved(saved):
+            if own is not None and resolved({**saved, name: out[name]}) == own:
                 out[name] = saved[name]
     return out
 

@@ -14,7 +14,6 @@ import difflib
 import json
 import math
 import os
-import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -203,7 +202,7 @@ def cmd_warmstart(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from polyrl.checkpoint import resume_checkpoint, verify_checkpoint
+    from polyrl.checkpoint import checkpoint_step, resume_checkpoint, verify_checkpoint
     from polyrl.learner.sharded import export_hf
     from polyrl.runs import saved_record
 
@@ -212,7 +211,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         checkpoint = checkpoint.parent
     if not (checkpoint / "meta.json").exists() and (checkpoint / "checkpoints").is_dir():  # a run directory
         checkpoint, _ = resume_checkpoint(checkpoint)  # its newest intact checkpoint (one line otherwise)
-    named = re.fullmatch(r"step_\d+", checkpoint.name)  # a checkpoint without meta.json: incomplete or corrupt
+    named = checkpoint_step(checkpoint) is not None  # a checkpoint without meta.json: incomplete or corrupt
     if checkpoint.is_dir() and not (checkpoint / "meta.json").exists() and not named:
         inside = next((p for p in checkpoint.parents if (p / "meta.json").is_file()), None)  # e.g. step_N/adapter
         raise ConfigError(f"{checkpoint} is not a checkpoint{f' (it is inside checkpoint {inside})' if inside else ''}"

@@ -236,6 +236,7 @@ def load_toml(path: str | os.PathLike, cls: type = TrainConfig, flags_only: Coll
                     by_table[f"{f.name}.{s.path[1]}"] = by_table[f"{f.default_factory.PREFIX}.{s.path[1]}"] = s.name
     out: dict[str, Any] = {}
     written_as: dict[str, str] = {}
+    tables = {name for f in fields(cls) if _is_section(f) for name in (f.name, f.default_factory.PREFIX)}
     for key, value in data.items():
         items = [(f"{key}.{k}", v) for k, v in value.items()] if isinstance(value, dict) else [(key, value)]
         for written, v in items:
@@ -244,8 +245,6 @@ def load_toml(path: str | os.PathLike, cls: type = TrainConfig, flags_only: Coll
             if name in flags_only:
                 raise ConfigError(f"config file {str(p)!r}: {written!r} is a part override of the method, given as "
                                   f"a flag only (--{name.replace('_', '-')}); the file holds the run's settings")
-            tables = {f.name for f in fields(cls) if _is_section(f)} | {f.default_factory.PREFIX for f in fields(cls)
-                                                                         if _is_section(f)}
             if name in tables and not isinstance(v, dict):
                 keys = sorted(k.split(".", 1)[1] for k in by_table if k.startswith(f"{name}."))
                 raise ConfigError(f"config file {str(p)!r}: {written!r} is a table; write [{name}] with its keys "

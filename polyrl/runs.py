@@ -345,15 +345,15 @@ def memory_bytes() -> int:
 
 
 def check_fits(needs: dict[str, float]) -> None:
-    """Refuse (ValueError, one line) sizes whose work would hold more memory at once than this machine has, where
-    the kernel's OOM killer would end the process with no message. ``needs`` maps what the refusal names (the
+    """Refuse (ConfigError, a ValueError: one line) sizes whose work would hold more memory at once than this machine
+    has, where the kernel's OOM killer would end the process with no message. ``needs`` maps what the refusal names (the
     settings and their values, e.g. ``'groups x group_size = 200000 segments'``) to the bytes it would hold, an
     estimate from bytes per unit measured on the family's own loop (a family's constants say where they come from).
     """
     have = memory_bytes()
     for what, need in needs.items():
         if need > have:
-            raise ValueError(f"{what} is not allowed here: it would hold about {need / 2**30:,.1f} GiB at once (an "
+            raise ConfigError(f"{what} is not allowed here: it would hold about {need / 2**30:,.1f} GiB at once (an "
                              f"estimate), more than the {have / 2**30:,.1f} GiB of memory of this machine; lower it")
 
 

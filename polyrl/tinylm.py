@@ -161,10 +161,7 @@ def check_trainable(hidden: int, layers: int, *, prefix: str = "") -> None:
 
     if layers > MAX_LAYERS:
         raise ConfigError(f"{prefix}layers = {layers} is not allowed: at most {MAX_LAYERS} (a tiny model's depth)")
-    try:
-        check_fits({f"{prefix}hidden = {hidden} x {prefix}layers = {layers}": 16 * 16 * layers * hidden**2})
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
+    check_fits({f"{prefix}hidden = {hidden} x {prefix}layers = {layers}": 16 * 16 * layers * hidden**2})
 
 
 class WarmstartError(TrainingError):

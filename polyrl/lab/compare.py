@@ -231,12 +231,13 @@ def check_interrupted_run(run_dir: Path, expected: dict | None) -> None:
     """Refuse (ConfigError, one line) an interrupted run in ``run_dir`` that this command would resume with other
     settings than it started with, or with fewer steps than its checkpoint: its resume would be refused once the
     runs start, and the report would then rank the interrupted run's old rows as this command's."""
-    from polyrl.checkpoint import latest_checkpoint
+    from polyrl.checkpoint import checkpoint_step, latest_checkpoint
 
     differ, steps = _record_differences(run_dir, expected)
     checkpoint = latest_checkpoint(run_dir)
-    if steps is not None and checkpoint is not None and steps[1] < int(checkpoint.name.split("_")[-1]):
-        differ["steps"] = [f"{steps[0]} (its checkpoint at step {int(checkpoint.name.split('_')[-1])})", steps[1]]
+    saved = checkpoint_step(checkpoint) if checkpoint is not None else None
+    if steps is not None and saved is not None and steps[1] < saved:
+        differ["steps"] = [f"{steps[0]} (its checkpoint at step {saved})", steps[1]]
     _refuse_other_run(run_dir, "stopped", differ)
 
 

@@ -43,17 +43,20 @@ def add_adapters(model: nn.Module, *, rank: int, alpha: float, targets: str, dro
         raise ValueError(f"lora_targets = {targets!r} names the LM head ({', '.join(sorted(head_names))}); the head "
                          "is applied as a plain linear layer by the sampler and the trainer: leave it out")
     if isinstance(names, list):  # PEFT refuses only when no name matches: one stray name would be ignored
-        modules = [name for name, _ in model.named_modules()]  # PEFT's rule: the full name or its dotted suffix
-        missing = [n for n in names if not any(m == n or m.endswith("." + n) for m in modules)]
-        linear = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules()
+        modules = dict(model.named_modules())
+
+        def matched(n: str) -> list[nn.Module]:  # PEFT's rule: the full name or its dotted suffix
+            return [m for full, m in modules.items() if full == n or full.endswith("." + n)]
+
+        missing = [n for n in names if not matched(n)]
+        linear = sorted({full.rsplit(".", 1)[-1] for full, m in modules.items()
                          if isinstance(m, nn.Linear) and m is not head})
         if missing:
             raise ValueError(f"lora_targets = {targets!r}: {', '.join(missing)} "
                              f"match{'es' if len(missing) == 1 else ''} no module of the model; "
                              f"allowed: all-linear or names among {', '.join(linear)}")
-        blocks = [n for n in names  # PEFT's error then printed the module's repr, cut to its first line
-                  if not any(isinstance(m, nn.Linear) for full, m in model.named_modules()
-                             if full == n or full.endswith("." + n))]
+        # a block (mlp, layers): PEFT's error then printed the module's repr, cut to its first line
+        blocks = [n for n in names if not any(isinstance(m, nn.Linear) for m in matched(n))]
         if blocks:
             raise ValueError(f"lora_targets = {targets!r}: {', '.join(blocks)} "
                              f"{'is a block' if len(blocks) == 1 else 'are blocks'} of modules, not a linear layer; "

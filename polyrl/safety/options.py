@@ -18,7 +18,7 @@ from typing import NoReturn
 
 from polyrl.config import ConfigError
 from polyrl.errors import FLOAT32_MAX, FLOAT32_TINY
-from polyrl.runs import check_fits, max_threads
+from polyrl.runs import max_threads
 
 RESULTS = "results.json"
 REPORT = "report.html"
@@ -27,15 +27,6 @@ REPORT = "report.html"
 def refuse(option: str, value: object, allowed: str) -> NoReturn:
     """Raise the one-line ConfigError every check here uses: option, value, what is allowed."""
     raise ConfigError(f"{option} = {value!r}: must be {allowed}")
-
-
-def check_memory(needs: dict[str, float]) -> None:
-    """``runs.check_fits`` as a ConfigError: refuse sizes whose work would hold more than this machine's memory at
-    once (the kernel's OOM killer would end the tool with no message, after minutes of work)."""
-    try:
-        check_fits(needs)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
 
 
 def check_distinct(option: str, text: str, values: list[float], label: Callable[[float], str] = "{:g}".format) -> None:

@@ -100,7 +100,7 @@ def run_record(cfg: FlowTrainConfig, method: FlowMethod) -> dict[str, Any]:
 
 
 def check_memory(cfg: FlowTrainConfig, method: FlowMethod) -> None:
-    """Refuse (ValueError, one line) sizes that would not fit in this machine's memory (``runs.check_fits``)."""
+    """Refuse (ConfigError, one line) sizes that would not fit in this machine's memory (``runs.check_fits``)."""
     horizon = getattr(get_task(cfg.task), "horizon", 1)
     actions = cfg.groups * cfg.group_size * horizon
     check_fits({

@@ -19,7 +19,8 @@ from typing import Any
 import numpy as np
 
 from polyrl.config import ConfigError
-from polyrl.safety.options import add_out_options, check_common, check_memory, flag, prepare_out, settings
+from polyrl.runs import check_fits
+from polyrl.safety.options import add_out_options, check_common, flag, prepare_out, settings
 
 SPEC_P0 = (0.2, 0.05, 0.01, 0.002)
 SPEC_MEDIANS = {True: (5, 13, 46, 208), False: (10, 38, 161, 742)}  # spec §4(e) table: with / without std norm
@@ -123,7 +124,7 @@ def _check(args) -> None:
              args.sim_seeds * args.options * LOGIT_BYTES}
     if args.seeds:
         needs[f"--lm-group = {args.lm_group} drawn answers a step"] = args.lm_group * LM_DRAW_BYTES
-    check_memory(needs)
+    check_fits(needs)
 
 
 def command(args: argparse.Namespace) -> int:

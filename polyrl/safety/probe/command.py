@@ -13,7 +13,8 @@ from typing import Any
 import numpy as np
 
 from polyrl.config import ConfigError
-from polyrl.safety.options import add_out_options, check_common, check_distinct, check_memory, number_list, prepare_out
+from polyrl.runs import check_fits
+from polyrl.safety.options import add_out_options, check_common, check_distinct, number_list, prepare_out
 
 HELP = "neutral mask: probe directions before/after RL, persistence, sparse autoencoder, steering"
 CLAIM = (
@@ -76,8 +77,8 @@ def _experiment(args) -> Any:
     if args.eval_prompts > 10**6:  # as train's eval_prompts: 10^9 built its prompts for minutes before any output
         raise ConfigError(f"--eval-prompts = {args.eval_prompts} must be an integer in [16, 1000000]")
     check_trainable(args.hidden, args.layers, prefix="--")
-    check_memory({f"--sae-features = {args.sae_features} at --hidden {args.hidden}":  # the SAE's encoder and
-                  2 * 16 * args.sae_features * args.hidden})  # decoder, [features, hidden] each, with AdamW
+    check_fits({f"--sae-features = {args.sae_features} at --hidden {args.hidden}":  # the SAE's encoder and
+                2 * 16 * args.sae_features * args.hidden})  # decoder, [features, hidden] each, with AdamW
     if not 0 <= args.steer_layer < args.layers:
         raise ConfigError(f"--steer-layer = {args.steer_layer} must be in [0, --layers={args.layers})")
     if not (args.rl_lr > 0 and args.sae_l1 >= 0):

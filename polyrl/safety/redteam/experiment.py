@@ -26,15 +26,8 @@ import polyrl.safety.redteam.game as game
 from polyrl.config import ConfigError
 from polyrl.errors import FLOAT32_MAX
 from polyrl.lab.stats import bootstrap_ci
-from polyrl.safety.options import (
-    add_out_options,
-    check_common,
-    check_memory,
-    number_list,
-    prepare_out,
-    refuse,
-    settings,
-)
+from polyrl.runs import check_fits
+from polyrl.safety.options import add_out_options, check_common, number_list, prepare_out, refuse, settings
 from polyrl.safety.redteam.trainer import PHASES, AdversarialCoTrainer, CoTrainConfig, total_updates
 from polyrl.safety.report import table_html, write_report
 from polyrl.tasks.rewards import load_callable, parse_reward_specs
@@ -64,7 +57,7 @@ def _check(args: argparse.Namespace) -> None:
         low = 2 if opt == "group_size" else (0 if opt.endswith("_steps") and opt != "co_train_steps" else 1)
         if v < low:
             raise ConfigError(f"--{opt.replace('_', '-')} = {v}: must be an integer >= {low}")
-    check_memory({f"--group-size = {args.group_size}": args.group_size * GROUP_BYTES})
+    check_fits({f"--group-size = {args.group_size}": args.group_size * GROUP_BYTES})
     if not 0.0 < args.lr <= 1.0:
         raise ConfigError(f"--lr = {args.lr}: must be in (0, 1]")
     if not 0.0 < args.ci < 1.0:

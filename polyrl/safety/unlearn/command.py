@@ -10,7 +10,8 @@ from pathlib import Path
 import numpy as np
 
 from polyrl.config import ConfigError
-from polyrl.safety.options import add_out_options, check_common, check_memory, number_list, prepare_out
+from polyrl.runs import check_fits
+from polyrl.safety.options import add_out_options, check_common, number_list, prepare_out
 from polyrl.safety.unlearn.experiment import CONDITIONS, ExperimentConfig, check_forget_sets, run_seed, summarise
 
 # Bytes held at once, measured as peak resident memory above a small run's (`/usr/bin/time`, --poison-ratio 0 and
@@ -89,8 +90,8 @@ def config_from_args(args: argparse.Namespace) -> ExperimentConfig:
             raise ConfigError(f"--sweep={args.sweep!r}: {v!r} and {shown[f'{v:g}']!r} (--lam-forget or an earlier "
                               f"value) are both lam_f={v:g} in the report; give values distinct at 6 digits")
         shown[f"{v:g}"] = v
-    check_memory({f"--episodes = {args.episodes} with --poison-ratio = {args.poison_ratio:g}":
-                  args.episodes * (EPISODE_BYTES + args.poison_ratio * POISON_BYTES)})
+    check_fits({f"--episodes = {args.episodes} with --poison-ratio = {args.poison_ratio:g}":
+                args.episodes * (EPISODE_BYTES + args.poison_ratio * POISON_BYTES)})
     need(args.relabel_frac > 0 or args.poison_ratio > 0, "poison-ratio", args.poison_ratio,
          "> 0 when --relabel-frac is 0 (with both 0 nothing is poisoned, so there is nothing to unlearn)")
     return ExperimentConfig(seeds=args.seeds, episodes=args.episodes, steps=args.steps,
