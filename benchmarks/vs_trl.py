@@ -13,6 +13,7 @@
                                                    # setting changed, alternated at the demo settings
                                                    # (--switch-size 320x8: on a scaling model instead, at
                                                    # --size-length tokens and --stop lengths)
+    python3 benchmarks/vs_trl.py demo --device cuda --trl-python python3  # on one GPU (benchmarks/gpu_checks.sh)
 
 What is matched: the same saved model directory, prompts, reward and sampling (temperature 1, no top-p/top-k);
 the objective is GRPO with group z-scored advantages (std + 1e-4, TRL's ``scale_rewards="group"``), PPO clip 0.2,
@@ -23,6 +24,9 @@ gradient-norm clip 1.0, float32 (TRL ``bf16=False``: its CPU default autocasts t
 ``--trl-python``, default ``.venv-trl/bin/python``), the two alternate round by round, and what is reported is the
 median of each phase and the per-round ratio polyrl/TRL of seconds per step (median, min, max): compare the two
 numbers of one run, not numbers across runs.
+
+``--device cuda``: both train on one GPU in one process, TRL as accelerate places it (``use_cpu=False``), polyrl
+with ``--device cuda``; both still float32 and one CPU thread. Results go to ``results/vs_trl_cuda/``.
 
 The scaling models are random-initialised tiny Llamas (``scaling_model``); the reward is the completion's share of
 digits, so advantages are not zero. ``--stop natural`` (the default): EOS is one of the 86 tokens, so completions
@@ -36,6 +40,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import statistics
 import subprocess
 import sys
@@ -153,7 +158,7 @@ def worker_polyrl(spec: dict) -> dict:
         steps=spec["warmup"] + spec["steps"], prompts_per_step=spec["prompts_per_step"], group_size=spec["group"],
         max_new_tokens=spec["max_new_tokens"], lr=spec["lr"], warmup_steps=0, max_grad_norm=1.0, weight_decay=0.0,
         seed=spec["seed"], eval_prompts=spec.get("eval_prompts", 8), eval_every=0,
-        tensorboard=False, log_every=0, threads=1, train_prompts=len(rows["train"]),
+        tensorboard=False, log_every=0, threads=1, train_prompts=len(rows["train"]), device=spec.get("device", "cpu"),
         **spec.get("polyrl_settings", {}),
     ))
     method = get_method("grpo", kl=None, kl_coef=0.0, aggregation="token_mean", advantage="grpo:eps=0.0001")
@@ -206,7 +211,8 @@ def worker_trl(spec: dict) -> dict:
         max_completion_length=spec["max_new_tokens"], max_steps=spec["warmup"] + spec["steps"],
         learning_rate=spec["lr"], lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0,
         loss_type="dapo", beta=0.0, scale_rewards="group", epsilon=0.2, num_iterations=1,
-        temperature=1.0, top_p=1.0, bf16=False, fp16=False, gradient_checkpointing=False, use_cpu=True,
+        temperature=1.0, top_p=1.0, bf16=False, fp16=False, gradient_checkpointing=False,
+        use_cpu=spec.get("device", "cpu") == "cpu",
         logging_steps=10**6, report_to="none", save_strategy="no", disable_tqdm=True, dataloader_num_workers=0,
         gradient_accumulation_steps=1, seed=spec["seed"], log_completions=False,
     )
@@ -216,12 +222,16 @@ def worker_trl(spec: dict) -> dict:
     step_peaks: list[float] = []
     profiler = StepProfiler(spec.get("profile"), spec["warmup"], spec["steps"])
 
+    sync = torch.cuda.synchronize if spec.get("device") == "cuda" else (lambda: None)
+
     class Clock(TrainerCallback):
         def on_step_begin(self, *a, **k):
             reset_step_peak()
+            sync()
             self.t0 = time.perf_counter()
 
         def on_step_end(self, *a, **k):
+            sync()  # the optimizer step's kernels are done (polyrl's step reads its loss, which waits for them)
             step_s.append(time.perf_counter() - self.t0)
             step_peaks.append(step_peak_mib())
             profiler.step()
@@ -507,6 +517,7 @@ def _value(text: str):
 
 
 def main() -> None:
+    global RESULTS
     if len(sys.argv) == 4 and sys.argv[1] in ("_polyrl", "_trl"):  # a worker process
         spec = json.loads(Path(sys.argv[2]).read_text())
         fn = worker_polyrl if sys.argv[1] == "_polyrl" else worker_trl
@@ -515,12 +526,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("what", choices=("demo", "scaling", "accuracy", "memory", "profile", "switch", "replot"))
     ap.add_argument("--trl-python", default=str(ROOT / ".venv-trl" / "bin" / "python"))
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where both frameworks train")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=10, help="timed steps per round")
     ap.add_argument("--warmup", type=int, default=2, help="untimed first steps per round")
     ap.add_argument("--lr", type=float, default=1e-5)
     ap.add_argument("--seeds", type=int, default=3, help="accuracy: seeds per framework")
-    ap.add_argument("--lengths", type=lambda s: [int(x) for x in s.split(",")], default=[8, 32, 128, 512])
+    ap.add_argument("--lengths", type=lambda s: [int(x) for x in s.split(",") if x], default=[8, 32, 128, 512])
     ap.add_argument("--sizes", type=lambda s: [tuple(int(v) for v in x.split("x")) for x in s.split(",") if x],
                     default=[(128, 4), (320, 8), (640, 10)], help="hidden x layers, e.g. 128x4,320x8,640x10")
     ap.add_argument("--size-length", type=int, default=32, help="completion length of the size sweep")
@@ -547,13 +559,19 @@ def main() -> None:
             print(f"{path.name}:")
             show_decomposition(result["decomposition"])
         return
-    if not Path(args.trl_python).exists():
+    if not Path(args.trl_python).exists() and not shutil.which(args.trl_python):
         sys.exit(f"--trl-python {args.trl_python} not found: run `make trl-venv` first")
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            sys.exit("--device cuda: torch sees no CUDA device here")
+        RESULTS = HERE / "results" / "vs_trl_cuda"
     with tempfile.TemporaryDirectory() as tmp:
         prompts = Path(tmp) / "prompts.json"
         prompts.write_text(json.dumps(addition_rows()))
         base = dict(prompts=str(prompts), reward="exact", prompts_per_step=8, group=8, max_new_tokens=8,
-                    steps=args.steps, warmup=args.warmup, lr=args.lr, seed=0)
+                    steps=args.steps, warmup=args.warmup, lr=args.lr, seed=0, device=args.device)
         if args.what == "demo":
             result = paired({**base, "model": demo_model()}, args.rounds, args.trl_python, "demo")
             write("demo", result)

@@ -8,7 +8,7 @@ rather than in ``learner`` lets rollout code use it without importing a learner.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
 import torch
@@ -31,6 +31,11 @@ class TokenBatch:
     loss_mask: Tensor  # [B, T] 1 for tokens the policy chose; environment and copied-prefix tokens are 0
     turn_ids: Tensor  # [B, T] long: agent-turn index of each completion token (0 for single-turn tasks)
     sum_pi_sq: Tensor | None = None  # [B, T] sampler's sum_v pi_v^2 per token, when every sample carries it (OTB)
+
+    def to(self, device: torch.device) -> TokenBatch:
+        """The same batch on ``device`` (itself where it already is: ``Tensor.to`` does not copy then)."""
+        values = (getattr(self, f.name) for f in fields(self))
+        return TokenBatch(*(None if t is None else t.to(device) for t in values))
 
     def rows(self, index: Tensor | slice) -> TokenBatch:
         return TokenBatch(self.input_ids[index], self.attention_mask[index], self.completion_mask[index],
@@ -107,16 +112,18 @@ def segment_ids(completion_ids: Tensor, completion_mask: Tensor, boundaries: fro
 def logprobs_nograd(model: nn.Module, batch: TokenBatch, *, micro_batch_size: int, fp32_head: bool = False,
                     topk: int = 0, temperature: float = 1.0, top_p: float | None = None,
                     top_k: int | None = None, share_prompts: bool = False) -> TokenLogprobs:
-    """Completion log-probs (entropy, top-K) of ``batch`` under ``model``, without gradient, micro-batched."""
+    """Completion log-probs (entropy, top-K) of ``batch`` under ``model``, without gradient, micro-batched: each
+    micro-batch computed on the model's device, the results on the CPU."""
     was_training = model.training
     model.eval()
+    device = next(model.parameters()).device
     parts = []
     with torch.no_grad():
         for i in range(0, batch.input_ids.shape[0], micro_batch_size):
-            rows = batch.rows(slice(i, i + micro_batch_size))
+            rows = batch.rows(slice(i, i + micro_batch_size)).to(device)
             parts.append(completion_logprobs(model, rows.input_ids, rows.attention_mask, rows.completion_mask,
                                              fp32_head=fp32_head, topk=topk, temperature=temperature, top_p=top_p,
-                                             top_k=top_k, share_prompts=share_prompts))
+                                             top_k=top_k, share_prompts=share_prompts).cpu())
     model.train(was_training)
 
     def cat(name: str) -> Tensor | None:

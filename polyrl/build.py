@@ -161,6 +161,10 @@ def resolve_train(args: argparse.Namespace, *, claim: Callable[[str], None] | No
     except (ValueError, FileNotFoundError, KeyError) as e:
         raise ConfigError(f"task = {cfg.task!r}: {e}") from None
     check_combinations(cfg, method, task)
+    from polyrl.learner.dist import pick_device
+
+    if cfg.scale.device == "auto" and pick_device("auto", cfg.scale.nproc).type == "cuda":
+        notes.append("device = 'auto': training on the GPU (--device cpu keeps it on the CPU)")
     try:
         held_out = len(held_out_prompts(task, cfg.eval.prompts))
     except (ValueError, KeyError) as e:  # a data file's split that cannot be drawn
@@ -283,11 +287,13 @@ def check_combinations(cfg: TrainConfig, method, task) -> None:
 
     The rules that need only the config live in ``config.validate``; these also need the method or the task.
     """
+    from polyrl.learner.dist import pick_device
     from polyrl.registry import ADVANTAGES
     from polyrl.tasks.rewards import parse_reward_specs
 
     default = TrainConfig()
     adv = method.advantage.name
+    pick_device(cfg.scale.device, cfg.scale.nproc)  # refuses cuda where torch sees too few GPUs
     if cfg.engine.backend == "vllm":
         import importlib.util
 
@@ -464,9 +470,12 @@ def build_components(cfg: TrainConfig, method, task, model_dir: str) -> Componen
     import copy
     import dataclasses
 
+    import torch
+
     from polyrl.batch import boundary_token_ids
     from polyrl.evaluation import Evaluator
-    from polyrl.learner.dist import device, init_from_env
+    from polyrl.launch import local_processes
+    from polyrl.learner.dist import device, init_from_env, pick_device
     from polyrl.learner.local import ValueHead
     from polyrl.learner.lora import BaseReference
     from polyrl.model import context_length, load_policy
@@ -479,16 +488,22 @@ def build_components(cfg: TrainConfig, method, task, model_dir: str) -> Componen
     from polyrl.tasks.chat import PromptFormat, formatted_task
     from polyrl.tasks.rewards import RewardChannels, parse_reward_specs
 
-    ranks = init_from_env()  # (rank, world size) under torchrun / --nproc; None in one process
+    where = pick_device(cfg.scale.device, local_processes())
+    ranks = init_from_env(cuda=where.type == "cuda")  # (rank, world size) under torchrun / --nproc; None in one
+    # process, whose models live on ``where`` (a sharded learner places its shards on each rank's device itself)
+    on = where if ranks is None else torch.device("cpu")
     rewards = RewardChannels(task, *parse_reward_specs(cfg.reward_funcs, cfg.reward_weights))
     policy, tokenizer = load_policy(model_dir, dtype=cfg.dtype, threads=_trainer_threads(cfg))
+    policy.to(on)
     task = formatted_task(task, PromptFormat(tokenizer, cfg.data.chat_template, cfg.data.system_prompt,
                                              model=f"model {model_dir!r}"))
-    critic = ValueHead(copy.deepcopy(policy)) if method.needs_values else None
+    critic = ValueHead(copy.deepcopy(policy)).to(on) if method.needs_values else None
     adapters = _adapters(cfg, policy)
     # The reference is the distillation teacher when one is given (LoRA too); else a frozen copy of the starting
     # model (synced to the policy by Humanline presets); with LoRA, the policy itself with its adapters off.
     reference = teacher = _teacher(cfg, tokenizer)
+    if teacher is not None:
+        teacher.to(on)
     if cfg.agency.baseline is not None:
         from polyrl.distill import check_vocab
 
@@ -520,6 +535,7 @@ def build_components(cfg: TrainConfig, method, task, model_dir: str) -> Componen
     if cfg.agency.baseline is not None:  # agency transfer: a frozen baseline acts first, the learner takes over
         baseline, _ = load_policy(cfg.agency.baseline, dtype=cfg.dtype, threads=_trainer_threads(cfg),
                                   setting="agency")
+        baseline.to(next(sampler_model.parameters()).device)  # it mixes its next-token distribution in the sampler
         arbiter = generator.arbiter = AgencyArbiter(baseline, parse_schedule(cfg.agency.schedule),
                                                     mode=cfg.agency.mode)
     runner = EpisodeRunner(generator, tokenizer, task, own_weights=ranks is not None or cfg.engine.backend == "vllm")

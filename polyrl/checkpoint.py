@@ -309,7 +309,9 @@ def load_checkpoint(
         if f"{name}.safetensors" not in meta["files"]:
             raise CheckpointError(f"checkpoint {path} has no {name} weights")
         load_model(extra, str(path / f"{name}.safetensors"))
-    blob = torch.load(path / "trainer_state.pt", weights_only=False)
+    # on the CPU: a GPU run's optimizer state resumes on a machine without one (load_state_dict moves it to the
+    # parameters' device)
+    blob = torch.load(path / "trainer_state.pt", weights_only=False, map_location="cpu")
     if optimizer is not None and blob["optimizer"] is not None:
         optimizer.load_state_dict(blob["optimizer"])
     if scheduler is not None and blob["scheduler"] is not None:

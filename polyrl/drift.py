@@ -60,14 +60,15 @@ class DriftMeter:
         logp = self.learner.logprobs_nograd(batch).logp
         was_training = model.training
         model.eval()
+        on = batch.to(next(model.parameters()).device)
         with torch.no_grad():
-            pos = (batch.attention_mask.cumsum(-1) - 1).clamp_min(0)
-            hidden = model.base_model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+            pos = (on.attention_mask.cumsum(-1) - 1).clamp_min(0)
+            hidden = model.base_model(input_ids=on.input_ids, attention_mask=on.attention_mask,
                                       position_ids=pos).last_hidden_state
         model.train(was_training)
         width = batch.completion_mask.shape[1]
         prompt_end = batch.input_ids.shape[1] - width - 1  # prompts are left padded: each ends at the same column
-        return logp, hidden[:, prompt_end].float()
+        return logp, hidden[:, prompt_end].float().cpu()
 
     def drift(self) -> dict[str, float]:
         """The ``drift/*`` metrics of the current policy."""

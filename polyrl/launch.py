@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 
 @dataclass
 class ScaleConfig:
-    """Where the run computes: flags ``--rollout-workers``, ``--ray-*``, ``--rollout-worker-gpus``, ``--nproc``;
+    """Where the run computes: flags ``--rollout-workers``, ``--ray-*``, ``--rollout-worker-gpus``, ``--nproc``,
+    ``--device``;
     TOML table ``[scale]``; ``TrainConfig.scale``. Batches and gradients do not depend on these settings."""
 
     PREFIX: ClassVar[str] = "scale"
@@ -34,6 +35,9 @@ class ScaleConfig:
     """GPUs each generator actor asks Ray for (0 = none; 1 puts each actor on a GPU of its own)"""
     nproc: int = field(default=1, metadata={"flag": "nproc"})
     """training processes on this machine, sharding policy, reference and critic with FSDP2 (1 = one process)"""
+    device: Literal["auto", "cpu", "cuda"] = field(default="auto", metadata={"flag": "device"})
+    """where the learner and in-process generation compute: cuda (a GPU per training process; NCCL between several),
+    cpu (gloo between several), or auto (cuda where torch sees enough GPUs, else the CPU)"""
 
     def actors(self, staleness: int) -> int:
         """How many generator actors run: ``rollout_workers``, or one when only asynchronous generation asks."""

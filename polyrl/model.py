@@ -299,6 +299,14 @@ class TokenLogprobs:
     topk_ids: Tensor | None = None  # [B, T, K] long; column 0 = the sampled token
     topk_logp: Tensor | None = None  # [B, T, K] log-probs at topk_ids
 
+    def tensors(self) -> tuple[Tensor | None, ...]:
+        """(logp, entropy, topk_ids, topk_logp): the fields in order, uncopied."""
+        return self.logp, self.entropy, self.topk_ids, self.topk_logp
+
+    def cpu(self) -> TokenLogprobs:
+        """The same on the CPU (differentiable: a backward flows to the device they were computed on)."""
+        return TokenLogprobs(*(None if t is None else t.cpu() for t in self.tensors()))
+
 
 def completion_logprobs(
     model: nn.Module,

@@ -34,9 +34,11 @@ HISTORY = "config_history.jsonl"
 LOGS = ("metrics.jsonl", "samples.jsonl")  # JSON lines with a "step" key
 
 # Settings a resume may change: they extend the run, change how it is watched or where it runs (processes, rollout
-# workers: batches and gradients do not depend on them), not what it computes.
+# workers, the device: batches and gradients do not depend on them, up to a device's float rounding), not what it
+# computes.
 RESUME_MAY_CHANGE = ("steps", "eval_every", "checkpoint_every", "log_every", "threads", "tensorboard", "wandb",
-                     "max_bad_steps", "nproc", "rollout_workers", "ray_address", "ray_cpus", "rollout_worker_gpus")
+                     "max_bad_steps", "nproc", "device", "rollout_workers", "ray_address", "ray_cpus",
+                     "rollout_worker_gpus")
 # Run control, not settings: never compared.
 RUN_CONTROL = ("resume", "resume_from", "overwrite", "run_dir")
 

@@ -75,7 +75,7 @@ ALWAYS = {"method", "task", "reward_funcs", "reward_weights", "model", "run_dir"
           "agency", "async_staleness", "eval_every", "eval_prompts", "checkpoint_every", "resume", "resume_from",
           "overwrite", "seed", "threads", "dtype", "guard", "max_bad_steps", "log_every", "tensorboard", "wandb",
           "chat_template",
-          "rollout_workers", "nproc", "generator", "lora_rank", "drift_prompts",
+          "rollout_workers", "nproc", "device", "generator", "lora_rank", "drift_prompts",
           "preference_file", "share_prompts", "fused_adam", "micro_batch_tokens"}
 
 
@@ -273,3 +273,42 @@ def test_a_small_held_out_split_is_evaluated_once_per_prompt(tiny_model, tmp_pat
     prompts = held_out_prompts(plan.task, 200)
     assert 0 < len(prompts) < 60 and len(set(prompts)) == len(prompts) == len(set(plan.task.prompts("test", 600, 0)))
     assert any(f"eval_prompts = 200: the task's held-out split gives {len(prompts)} distinct" in n for n in plan.notes)
+
+
+@pytest.mark.parametrize("setting, processes, gpus, want", [
+    ("auto", 1, 0, "cpu"), ("auto", 1, 1, "cuda"), ("auto", 2, 1, "cpu"), ("auto", 2, 2, "cuda"),
+    ("cpu", 1, 1, "cpu"), ("cuda", 1, 1, "cuda"), ("cuda", 2, 2, "cuda"), ("cuda", 1, 0, None), ("cuda", 2, 1, None)])
+def test_the_device_follows_the_gpus_torch_sees(monkeypatch, setting, processes, gpus, want):
+    """auto is cuda only where every training process gets a GPU; cuda without them is refused in one line."""
+    from polyrl.learner.dist import pick_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    if want is None:
+        with pytest.raises(ConfigError, match=f"^device = 'cuda' is not allowed here: .* torch sees {gpus} "):
+            pick_device(setting, processes)
+    else:
+        assert pick_device(setting, processes).type == want
+
+
+def test_device_cuda_without_a_gpu_is_refused_and_auto_stays_on_the_cpu(tiny_model, tmp_path, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ConfigError, match="device = 'cuda' is not allowed here: it needs a CUDA GPU and torch sees 0"):
+        _resolve(["--model", tiny_model, "--device", "cuda"], tmp_path)
+    plan = _resolve(["--model", tiny_model], tmp_path)
+    assert plan.cfg.scale.device == "auto" and not any("GPU" in n for n in plan.notes)
+
+
+def test_a_resume_may_move_the_run_to_another_device(tiny_model, tmp_path, capsys):
+    """The device is where a run computes, not what: a run resumes with --device cpu (a GPU run on a CPU machine),
+    and its history records the change."""
+    from polyrl.cli import main
+
+    run = tmp_path / "run"
+    args = ["train", "--model", tiny_model, "--steps", "1", "--prompts-per-step", "2", "--group-size", "2",
+            "--eval-prompts", "2", "--run-dir", str(run), "--no-tensorboard"]
+    assert main(args) == 0
+    assert main([*args, "--resume", "--steps", "2", "--device", "cpu"]) == 0, capsys.readouterr().err
+    history = [json.loads(line) for line in (run / "config_history.jsonl").read_text().splitlines()]
+    assert history[-1]["changes"]["device"] == ["auto", "cpu"]
+    assert len((run / "metrics.jsonl").read_text().splitlines()) >= 2

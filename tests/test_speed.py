@@ -221,6 +221,22 @@ def test_trimming_drops_only_columns_that_are_padding_everywhere(tiny_model):
     assert full.logp[:, width:].abs().sum() == 0
 
 
+def test_a_batch_on_its_own_device_is_not_copied_and_keeps_every_field():
+    """``TokenBatch.to`` and ``TokenLogprobs.cpu`` (how learners hand batches to a GPU and results back) cost nothing
+    where the tensors already are, and carry the optional fields too (FSDP's old mover dropped ``sum_pi_sq``)."""
+    from polyrl.batch import TokenBatch
+    from polyrl.model import TokenLogprobs
+
+    ids = torch.arange(12).reshape(2, 6)
+    comp = torch.ones(2, 3)
+    tb = TokenBatch(ids, torch.ones_like(ids), comp, -comp, comp, torch.zeros(2, 3, dtype=torch.long), comp * 0.5)
+    moved = tb.to(torch.device("cpu"))
+    assert all(getattr(moved, f) is getattr(tb, f) for f in ("input_ids", "completion_mask", "sum_pi_sq"))
+    logp = torch.randn(2, 3, requires_grad=True)
+    back = TokenLogprobs(logp, None, ids[:, :3, None], None).cpu()
+    assert back.logp is logp and back.entropy is None and back.topk_ids.shape == (2, 3, 1)
+
+
 @pytest.mark.parametrize("switch", [{"share_prompts": False}, {"fused_adam": False}, {"micro_batch_tokens": 0}],
                          ids=["share_prompts", "fused_adam", "micro_batch_tokens"])
 def test_each_speed_setting_leaves_training_as_it_was(tiny_model, tmp_path, switch):

@@ -18,10 +18,27 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from polyrl.errors import ConfigError
 
-def init_from_env(timeout_s: float = 4 * 3600.0) -> tuple[int, int] | None:
+
+def pick_device(setting: str, processes: int = 1) -> torch.device:
+    """The device that ``--device`` (``ScaleConfig.device``) names for ``processes`` training processes on this
+    machine: cuda needs a GPU for each (ConfigError naming the setting otherwise), cpu is the CPU, and auto is cuda
+    where torch sees enough GPUs, else the CPU."""
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if setting == "cpu" or (setting == "auto" and gpus < processes):
+        return torch.device("cpu")
+    if gpus < processes:
+        need = f"{processes} training processes need a GPU each" if processes > 1 else "it needs a CUDA GPU"
+        raise ConfigError(f"device = 'cuda' is not allowed here: {need} and torch sees {gpus} "
+                          f"(torch {torch.__version__}); use --device cpu or auto")
+    return torch.device("cuda")
+
+
+def init_from_env(timeout_s: float = 4 * 3600.0, *, cuda: bool | None = None) -> tuple[int, int] | None:
     """Join the process group that torchrun's variables describe; return (rank, world size), or None when
-    WORLD_SIZE is unset (a plain single-process run). Idempotent: an initialised group is kept.
+    WORLD_SIZE is unset (a plain single-process run). Idempotent: an initialised group is kept. ``cuda``: NCCL with
+    a GPU per process, else gloo on the CPU (None: NCCL wherever CUDA is available).
 
     The timeout is long on purpose: while rank 0 generates and evaluates alone (rollout workers included), the
     other ranks wait in a broadcast of the batch, and a long step must not read as a dead rank."""
@@ -29,7 +46,7 @@ def init_from_env(timeout_s: float = 4 * 3600.0) -> tuple[int, int] | None:
         return None
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if not dist.is_initialized():
-        cuda = torch.cuda.is_available()
+        cuda = torch.cuda.is_available() if cuda is None else cuda
         if cuda:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
         dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world,

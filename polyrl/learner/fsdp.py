@@ -61,8 +61,8 @@ SCORE = "polyrl_score"  # the FSDP forward method that runs completion_logprobs 
 
 
 def _score(self: nn.Module, input_ids: Tensor, attention_mask: Tensor, completion_mask: Tensor, **kw) -> tuple:
-    out = completion_logprobs(self, input_ids, attention_mask, completion_mask, **kw)
-    return out.logp, out.entropy, out.topk_ids, out.topk_logp  # a tuple: FSDP hooks the backward of its tensors
+    # a tuple: FSDP hooks the backward of its tensors
+    return completion_logprobs(self, input_ids, attention_mask, completion_mask, **kw).tensors()
 
 
 def shard_module(module: nn.Module, mesh: DeviceMesh, *, scorer: bool) -> nn.Module:
@@ -83,15 +83,6 @@ def shard_module(module: nn.Module, mesh: DeviceMesh, *, scorer: bool) -> nn.Mod
         setattr(module, SCORE, types.MethodType(_score, module))
         register_fsdp_forward_method(module, SCORE)
     return module
-
-
-def _to(batch: TokenBatch, device: torch.device) -> TokenBatch:
-    return TokenBatch(*(t.to(device) for t in (batch.input_ids, batch.attention_mask, batch.completion_mask,
-                                               batch.rollout_logp, batch.loss_mask, batch.turn_ids)))
-
-
-def _cpu(t: Tensor | None) -> Tensor | None:
-    return None if t is None else t.cpu()  # differentiable: backward flows to this rank's device
 
 
 class FSDPLearner:
@@ -135,26 +126,26 @@ class FSDPLearner:
         return pdist.all_sum(values)
 
     # scoring --------------------------------------------------------------------------------------------------
-    def _forward(self, model: nn.Module, batch: TokenBatch, topk: int) -> tuple[Tensor | None, ...]:
+    def _forward(self, model: nn.Module, batch: TokenBatch, topk: int) -> TokenLogprobs:
         """(logp, entropy, topk_ids, topk_logp) of ``batch`` on the CPU, computed on this rank's device."""
-        b = _to(batch, self.device)
+        b = batch.to(self.device)
         parts = getattr(model, SCORE)(b.input_ids, b.attention_mask, b.completion_mask, fp32_head=self.fp32_head,
                                       topk=topk, **self.sampling)
-        return tuple(map(_cpu, parts))
+        return TokenLogprobs(*parts).cpu()  # differentiable: backward flows to this rank's device
 
     def _critic(self, batch: TokenBatch) -> Tensor:
         """Critic values of ``batch`` on the CPU. ValueHead returns a view (``squeeze``), which FSDP2 warns about in
         case it is modified in place; it never is."""
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*returned a view tensor", category=UserWarning)
-            return self.critic(_to(batch, self.device)).cpu()
+            return self.critic(batch.to(self.device)).cpu()
 
     def logprobs(self, batch: TokenBatch, *, grad: bool, topk: int = 0) -> TokenLogprobs:
         """Log-probs, entropy (and top-K) of this rank's rows (``update_policy`` gives each rank its micro-batches); in
         train mode with or without ``grad``, as ``LocalLearner.logprobs``."""
         self.model.train()
         with torch.set_grad_enabled(grad):
-            out = TokenLogprobs(*self._forward(self.model, batch, topk))
+            out = self._forward(self.model, batch, topk)
         if not grad:  # FSDP2 leaves the root's parameters gathered for the backward it expects; with none to come,
             self.model.reshard()  # ``step()`` would clip the unsharded ones, which hold no gradient
         return out
@@ -173,7 +164,7 @@ class FSDPLearner:
         model = model or self.model
         was_training = model.training
         model.eval()
-        out = TokenLogprobs(*self._rows(batch, lambda b: self._forward(model, b, topk)))
+        out = TokenLogprobs(*self._rows(batch, lambda b: self._forward(model, b, topk).tensors()))
         model.train(was_training)
         return out
 

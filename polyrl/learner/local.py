@@ -147,6 +147,9 @@ class LocalLearner:
     ``ref_sync_every`` steps (Humanline presets; then it is state and is checkpointed), or with LoRA
     (``adapters``) the policy itself with its adapters off (``lora.BaseReference``). The critic is the
     policy's architecture with a value head and its own AdamW (GAE presets).
+
+    The models compute on the device they were given on (``--device``: a GPU or the CPU); batches come and results
+    go on the CPU, as ``FSDPLearner``'s do, so the loss and everything after it is computed there.
     """
 
     def __init__(
@@ -173,6 +176,7 @@ class LocalLearner:
         fused_adam: bool = False,
     ):
         self.model = model
+        self.device = next(model.parameters()).device
         self.adapters = adapters  # LoRA: the PEFT model; only its adapters train and the checkpoint holds them alone
         self.reference, self.ref_sync_every = reference, ref_sync_every
         self.critic, self.value_clip, self.value_loss_agg = critic, value_clip, value_loss_agg
@@ -188,9 +192,10 @@ class LocalLearner:
         """Log-probs, entropy (and top-K) of the completion tokens under the sampling distribution. Train mode with or
         without ``grad``: the update's forward-only passes (zero-advantage rows) see the model its other passes see."""
         self.model.train()
+        b = batch.to(self.device)
         with torch.set_grad_enabled(grad):
-            return completion_logprobs(self.model, batch.input_ids, batch.attention_mask, batch.completion_mask,
-                                       fp32_head=self.fp32_head, topk=topk, **self.sampling)
+            return completion_logprobs(self.model, b.input_ids, b.attention_mask, b.completion_mask,
+                                       fp32_head=self.fp32_head, topk=topk, **self.sampling).cpu()
 
     def logprobs_nograd(self, batch: TokenBatch, *, topk: int = 0, model: nn.Module | None = None) -> TokenLogprobs:
         """The same without gradient and micro-batched, for the policy or another model (the reference)."""
@@ -213,7 +218,7 @@ class LocalLearner:
         if self.critic is None:
             return None
         with torch.no_grad():
-            return self.critic(batch) * batch.loss_mask
+            return self.critic(batch.to(self.device)).cpu() * batch.loss_mask
 
     def begin_step(self, step: int) -> None:
         """Sync a reference that follows the policy (Humanline: reference = recent policy) when it is due."""
@@ -223,8 +228,8 @@ class LocalLearner:
         """One critic optimizer step on the clipped value loss of ``batch``; {} without a critic."""
         if self.critic is None or self.critic_opt is None:
             return {}
-        v_loss = clipped_value_loss(self.critic(batch), old_values, returns, batch.loss_mask, self.value_clip,
-                                    self.value_loss_agg)
+        values = self.critic(batch.to(self.device)).cpu()
+        v_loss = clipped_value_loss(values, old_values, returns, batch.loss_mask, self.value_clip, self.value_loss_agg)
         self.critic_opt.zero_grad(set_to_none=True)
         v_loss.backward()
         self.critic_opt.step()
@@ -250,7 +255,8 @@ class LocalLearner:
         return float(self.scheduler.get_last_lr()[0])
 
     def weights(self) -> dict[str, Tensor]:
-        """The policy's weights under the base model's names (LoRA adapters merged in)."""
+        """The policy's weights under the base model's names (LoRA adapters merged in), on its device (Ray's pool
+        moves them to the CPU; vLLM beside it on the GPU takes them as they are)."""
         return plain_state_dict(self.model)
 
     def shard(self, n: int) -> list[int | None]:

@@ -144,7 +144,8 @@ def load_sharded(path: str | Path, *, models: dict[str, nn.Module], optimizers: 
                                                   if k.startswith(prefix)})
         else:
             set_model_state_dict(model, sd[name])
-    return _restore(torch.load(path / "trainer_state.pt", weights_only=False), scheduler, restore_rng)
+    blob = torch.load(path / "trainer_state.pt", weights_only=False, map_location="cpu")
+    return _restore(blob, scheduler, restore_rng)
 
 
 def _keep_saved(model: nn.Module, optimizer: Any, saved: set[str]) -> None:
@@ -180,7 +181,7 @@ def load_unsharded(path: str | Path, *, models: dict[str, nn.Module], optimizers
             raise CheckpointError(f"checkpoint {path} has no {name} weights")
         tensors = load_file(path / file)  # tied weights are stored once; strict=False lets the other name be
         set_model_state_dict(model, tensors, options=StateDictOptions(full_state_dict=True, strict=False))
-    blob = torch.load(path / "trainer_state.pt", weights_only=False)
+    blob = torch.load(path / "trainer_state.pt", weights_only=False, map_location="cpu")
     saved_opts = {"model": blob["optimizer"], "critic": blob["state"].pop("critic_optimizer", None)}
     for name, opt in optimizers.items():
         if opt is None or name not in models or saved_opts.get(name) is None:
