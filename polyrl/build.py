@@ -553,7 +553,8 @@ def build_components(cfg: TrainConfig, method, task, model_dir: str) -> Componen
         evaluate = DriftMeter(evaluate, learner, runner, probes, dataclasses.replace(sampling(0), n=1, seed=DRIFT_SEED),
                               generator.pad_id)
 
-    sampler = _rollout_runner(cfg, method, learner, runner, arbiter, model_dir)  # the evaluator keeps `runner`
+    trainer_gpus = local_processes() if where.type == "cuda" else 0  # rollout actors get the other GPUs
+    sampler = _rollout_runner(cfg, method, learner, runner, arbiter, model_dir, trainer_gpus)  # evaluator: `runner`
     if cfg.preference.file is not None:  # offline preference rows: no generation
         from polyrl.rollout.preference import PreferenceSource
         from polyrl.rollout.preference_data import read_pairs
@@ -636,7 +637,7 @@ def _group_source(cfg: TrainConfig, runner, rewards, sampling):
                        max_rounds=cfg.max_gen_rounds, steps=cfg.steps, prefetch=prefetch)
 
 
-def _rollout_runner(cfg: TrainConfig, method, learner, local, arbiter, model_dir: str):
+def _rollout_runner(cfg: TrainConfig, method, learner, local, arbiter, model_dir: str, trainer_gpus: int):
     """The runner sources sample with: ``local`` (this process), or Ray rollout workers when asked for."""
     actors = cfg.scale.actors(cfg.prefetch.staleness)
     if not actors:
@@ -652,7 +653,7 @@ def _rollout_runner(cfg: TrainConfig, method, learner, local, arbiter, model_dir
                       reference_dir=cfg.distill.teacher,
                       logprob_kwargs=dict(micro_batch_size=cfg.micro_batch_size, **learner.sampling))
     pool = WorkerPool(spec, workers=actors, address=cfg.scale.ray_address, cpus=cfg.scale.ray_cpus,
-                      gpus_per_worker=cfg.scale.rollout_worker_gpus,
+                      gpus_per_worker=cfg.scale.rollout_worker_gpus, trainer_gpus=trainer_gpus,
                       weights=lambda: plain_state_dict(local.generator.model))
     return RemoteRunner(local, pool, arbiter)
 

@@ -84,14 +84,22 @@ def _sha256(path: Path) -> str:
 
 
 def rng_state() -> dict[str, Any]:
-    """Every RNG the training loop draws from."""
-    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    """Every RNG the training loop draws from: the GPUs' too once CUDA is in use (dropout of a model on a GPU)."""
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore ``rng_state()``'s generators; the GPUs' where this machine has as many (a GPU run resumed on the CPU
+    draws nothing from them)."""
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
+    cuda = state.get("cuda")
+    if cuda is not None and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(cuda)
 
 
 def save_checkpoint(

@@ -312,3 +312,14 @@ def test_a_resume_may_move_the_run_to_another_device(tiny_model, tmp_path, capsy
     history = [json.loads(line) for line in (run / "config_history.jsonl").read_text().splitlines()]
     assert history[-1]["changes"]["device"] == ["auto", "cpu"]
     assert len((run / "metrics.jsonl").read_text().splitlines()) >= 2
+
+
+def test_rollout_actors_get_the_gpus_the_trainers_do_not_use(monkeypatch):
+    """Training ranks on cuda use GPUs 0 .. ranks - 1 of those visible; the local Ray instance gets the rest (none
+    withheld when the ranks train on the CPU: trainer_gpus 0)."""
+    from polyrl.rollout.remote.pool import free_gpus
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    assert free_gpus(1, None) == ["1", "2", "3"]  # one process on GPU 0
+    assert free_gpus(2, "3,5,6") == ["6"]  # ranks on the first two visible
+    assert free_gpus(0, None) == ["0", "1", "2", "3"]

@@ -82,3 +82,28 @@ def test_prunes_old_and_ignores_temporary_dirs(tmp_path):
     names = sorted(p.name for p in (tmp_path / "checkpoints").glob("step_*"))
     assert names == ["step_000002", "step_000003"]
     assert latest_checkpoint(tmp_path).name == "step_000003"
+
+
+def test_the_gpus_random_state_is_saved_once_cuda_is_in_use_and_restored_where_it_fits(monkeypatch):
+    """Dropout of a model on a GPU draws from CUDA's generators: a checkpoint holds them and a resume on a machine
+    with as many GPUs restores them (a resume on the CPU skips them). CUDA's functions are stood in for here; the
+    state they return is what ``torch.cuda.get_rng_state_all`` gives, one byte tensor per GPU."""
+    from polyrl.checkpoint import rng_state, set_rng_state
+
+    restored = []
+    gpus = [torch.tensor([1, 2, 3], dtype=torch.uint8), torch.tensor([4, 5], dtype=torch.uint8)]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: gpus)
+    monkeypatch.setattr(torch.cuda, "set_rng_state_all", restored.append)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    state = rng_state()
+    assert state["cuda"] is gpus
+    set_rng_state(state)
+    assert restored == [gpus]
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)  # another machine: not this state's GPUs
+    set_rng_state(state)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    set_rng_state(state)
+    assert restored == [gpus]
+    assert "cuda" not in rng_state()

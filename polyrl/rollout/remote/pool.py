@@ -58,7 +58,10 @@ class WorkerPool:
     """N generator actors on Ray (see the module docstring)."""
 
     def __init__(self, spec: WorkerSpec, *, workers: int, address: str | None = None, cpus: int = 0,
-                 gpus_per_worker: float = 0.0, weights: Callable[[], dict[str, Tensor]]) -> None:
+                 gpus_per_worker: float = 0.0, trainer_gpus: int = 0,
+                 weights: Callable[[], dict[str, Tensor]]) -> None:
+        """``trainer_gpus``: GPUs 0 .. trainer_gpus - 1 of this machine train (one per local rank, --device cuda);
+        a local Ray instance polyrl starts is given the others."""
         try:
             import ray
         except ImportError:
@@ -70,7 +73,7 @@ class WorkerPool:
             raise WorkerError(f"Ray is already running in this process, so ray_address = {address!r} and ray_cpus = "
                               f"{cpus} would be ignored; leave them out to use it, or run polyrl in its own process")
         if self.owns_ray:
-            _start_ray(address, cpus or max(cores(), workers), gpus_per_worker)  # cpus: checked >= workers
+            _start_ray(address, cpus or max(cores(), workers), gpus_per_worker, trainer_gpus)  # cpus >= workers
         _check_resources(ray.cluster_resources(), workers, gpus_per_worker)
         for module in file_modules():  # a task from a --plugin file.py: its classes travel by value
             ray.cloudpickle.register_pickle_by_value(module)
@@ -183,24 +186,25 @@ class WorkerPool:
             ray.shutdown()
 
 
-def _start_ray(address: str | None, cpus: int, gpus_per_worker: float) -> None:
+def _start_ray(address: str | None, cpus: int, gpus_per_worker: float, trainer_gpus: int = 0) -> None:
     """Join the cluster at ``address``, or start a fresh local instance (never one RAY_ADDRESS points at).
 
-    Under several training processes (torchrun) the local instance gets the GPUs the ranks do not use, so that
-    generator actors never land on a trainer's device (separated placement). ``ray.init`` installs its own SIGTERM
+    The local instance gets the GPUs the training processes do not use (``trainer_gpus``: the first ones, rank r on
+    GPU r; none when they train on the CPU), so that generator actors never land on a trainer's device (separated
+    placement). ``ray.init`` installs its own SIGTERM
     handler (``sys.exit(15)``) and never removes it; the one before it comes back at once, so that a run under nohup
     still ignores SIGTERM and ``polyrl train`` still unwinds on it (putting back a run ``--overwrite`` set aside).
     """
     main = threading.current_thread() is threading.main_thread()
     previous = signal.getsignal(signal.SIGTERM) if main else None
     try:
-        _init_ray(address, cpus, gpus_per_worker)
+        _init_ray(address, cpus, gpus_per_worker, trainer_gpus)
     finally:
         if previous is not None:  # None: not the main thread, or a handler set outside Python
             signal.signal(signal.SIGTERM, previous)
 
 
-def _init_ray(address: str | None, cpus: int, gpus_per_worker: float) -> None:
+def _init_ray(address: str | None, cpus: int, gpus_per_worker: float, trainer_gpus: int = 0) -> None:
     import ray
 
     quiet = dict(include_dashboard=False, logging_level="ERROR", log_to_driver=False)
@@ -213,12 +217,8 @@ def _init_ray(address: str | None, cpus: int, gpus_per_worker: float) -> None:
                               "~/.ray/auth_token) here, or use 'auto' on one of its nodes") from None
         return
     saved = os.environ.get("CUDA_VISIBLE_DEVICES")
-    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "0"))
-    if gpus_per_worker and ranks:
-        import torch
-
-        free = [str(i) for i in range(ranks, torch.cuda.device_count())]  # rank r trains on GPU r (LOCAL_RANK)
-        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(free)
+    if gpus_per_worker and trainer_gpus:
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(free_gpus(trainer_gpus, saved))
     try:
         ray.init(address="local", num_cpus=cpus, num_gpus=None if gpus_per_worker else 0, **quiet)
     finally:  # this process's own view of its devices is unchanged
@@ -226,6 +226,16 @@ def _init_ray(address: str | None, cpus: int, gpus_per_worker: float) -> None:
             os.environ.pop("CUDA_VISIBLE_DEVICES", None)
         else:
             os.environ["CUDA_VISIBLE_DEVICES"] = saved
+
+
+def free_gpus(trainer_gpus: int, visible: str | None) -> list[str]:
+    """The GPUs left to generator actors, as CUDA_VISIBLE_DEVICES entries: this process's visible ones (all of the
+    machine's when ``visible`` is None) but the first ``trainer_gpus``, which the training ranks use."""
+    import torch
+
+    seen = [v for v in visible.split(",") if v] if visible is not None else \
+        [str(i) for i in range(torch.cuda.device_count())]
+    return seen[trainer_gpus:]
 
 
 def _check_resources(have: dict, workers: int, gpus_per_worker: float) -> None:
