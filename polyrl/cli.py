@@ -218,12 +218,13 @@ def cmd_export(args: argparse.Namespace) -> int:
                           "; allowed: a run directory or its checkpoints/step_NNNNNN")
     verify_checkpoint(checkpoint)  # one line for a missing or corrupt checkpoint
     run = checkpoint.parent.parent
-    model = args.model or (saved_record(str(run)) or {}).get("config", {}).get("model")
+    saved = (saved_record(str(run)) or {}).get("config", {})
+    model = args.model or saved.get("model")
     if model is None and (run / "summary.json").is_file():  # a warm-start run: summary.json names the directory
         model = json.loads((run / "summary.json").read_text()).get("model")
     if model is None:
         raise ConfigError(f"checkpoint {checkpoint}: its run has no config.json naming the model; pass --model DIR")
-    out = export_hf(checkpoint, args.out, model)
+    out = export_hf(checkpoint, args.out, model, chat_template=saved.get("chat_template", "auto"))
     console.print(f"exported {checkpoint} to {out} (load it with from_pretrained)")
     return 0
 

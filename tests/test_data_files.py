@@ -76,6 +76,15 @@ def test_null_or_missing_answer_names_the_row(tmp_path):
     assert "row 4 (line 4) has no answer ('answer' is missing)" in _error(_write(tmp_path / "gone.jsonl", rows))
 
 
+@pytest.mark.parametrize("value", ["NaN", "Infinity", "-Infinity"])
+def test_a_non_finite_answer_is_refused_with_its_row(tmp_path, value):
+    """JSON's NaN and Infinity read as floats: an answer 'nan' no completion can match would train on a reward of 0."""
+    path = tmp_path / "nan.jsonl"
+    path.write_text("".join(f'{{"question": "q{i}", "answer": {value if i == 2 else i}}}\n' for i in range(5)))
+    word = {"NaN": "nan", "Infinity": "inf", "-Infinity": "-inf"}[value]
+    assert f"row 3 (line 3) has {word} in 'answer'; the answer must be text or a finite number" in _error(str(path))
+
+
 def test_a_small_file_with_no_heldout_row_names_the_flag(tmp_path):
     # 9 questions that stay in training up to heldout_percent 50, one held out from 10 % up to its bucket
     questions = _questions(9, 50, 100) + _questions(1, 10, 50)

@@ -212,6 +212,16 @@ def test_read_pairs_and_bad_rows_are_refused_in_one_line(tmp_path):
         assert "row 2" in str(e.value) and field in str(e.value) and "\n" not in str(e.value), str(e.value)
 
 
+def test_rows_whose_strings_hold_unicode_line_separators_load(tmp_path):
+    """U+2028 and U+0085 are line breaks to str.splitlines, not to JSON Lines; a byte-order mark is tolerated."""
+    rows = [{"prompt": f"Line\u2028{a}+1=", "chosen": str(a + 1), "rejected": f"\x85{a}"} for a in range(3)]
+    path = tmp_path / "u.jsonl"
+    path.write_text("\ufeff" + "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
+    got = read_pairs(path)
+    assert [(r.prompt, r.chosen, r.rejected, r.line) for r in got] == [
+        (r["prompt"], r["chosen"], r["rejected"], i + 1) for i, r in enumerate(rows)]
+
+
 def test_source_tokenises_pairs_and_resumes_exactly(tiny_model, tmp_path):
     from transformers import AutoTokenizer
 

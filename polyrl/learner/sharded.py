@@ -243,10 +243,15 @@ def check_export_destination(checkpoint_dir: str | Path, out_dir: str | Path) ->
     return real
 
 
-def export_hf(checkpoint_dir: str | Path, out_dir: str | Path, model_dir: str | Path) -> Path:
+def export_hf(checkpoint_dir: str | Path, out_dir: str | Path, model_dir: str | Path, *,
+              chat_template: str = "auto") -> Path:
     """Write the policy of a checkpoint (either layout, or a LoRA adapter: merged) as a plain Hugging Face directory
     loadable with ``from_pretrained``: config, generation config and tokenizer from ``model_dir``, weights from the
     checkpoint, and ``EXPORT_MARKER`` (what was exported). Needs no process group (call it on one rank).
+
+    ``chat_template``: the run's setting (``--chat-template``). The tokenizer keeps its own template for auto, takes
+    the run's template file's text for a path, and has none for none (the run's prompts were plain text), so that
+    the export renders prompts as training did.
 
     ``out_dir`` must be new, empty or a previous export (``check_export_destination``; a run or checkpoint directory
     is never written). The export is written into a temporary sibling and renamed into place, so a failed export
@@ -260,12 +265,18 @@ def export_hf(checkpoint_dir: str | Path, out_dir: str | Path, model_dir: str | 
     from polyrl.errors import ConfigError
     from polyrl.learner.lora import ADAPTER_DIR, merged_model
     from polyrl.model import check_model_dir, load_error, load_model, load_tokenizer
+    from polyrl.tasks.chat import AUTO, read_template
 
     checkpoint_dir = Path(checkpoint_dir)
     verify_checkpoint(checkpoint_dir)
     out = check_export_destination(checkpoint_dir, out_dir)
     check_model_dir(model_dir)
     tokenizer = load_tokenizer(model_dir)
+    if chat_template != AUTO:
+        try:
+            tokenizer.chat_template = read_template(chat_template)  # None for none
+        except ValueError as e:
+            raise ConfigError(f"{e}: the export carries the template the run rendered its prompts with") from None
     if (checkpoint_dir / ADAPTER_DIR).is_dir():  # LoRA: the base with the adapter merged into its weights
         try:
             model = merged_model(model_dir, checkpoint_dir / ADAPTER_DIR)
@@ -295,7 +306,8 @@ def export_hf(checkpoint_dir: str | Path, out_dir: str | Path, model_dir: str | 
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         (tmp / EXPORT_MARKER).write_text(json.dumps(
-            {"checkpoint": str(checkpoint_dir.resolve()), "model": str(Path(model_dir).resolve())}, indent=2))
+            {"checkpoint": str(checkpoint_dir.resolve()), "model": str(Path(model_dir).resolve()),
+             "chat_template": chat_template}, indent=2))
         check_export_destination(checkpoint_dir, out)  # unchanged while the model was being written
         replace_dir(tmp, out)  # a previous export (or an empty directory) is removed once the new one is in place
     except OSError as e:

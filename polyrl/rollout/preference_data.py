@@ -39,7 +39,8 @@ def read_pairs(path: str | Path) -> list[PreferenceRow]:
     p = Path(path)
     where = f"preference_file = {str(p)!r}"
     try:
-        lines = p.read_text(encoding="utf-8").splitlines()
+        # -sig: the byte-order mark some editors write; "\n", not splitlines(): JSON strings may hold U+2028, U+0085
+        lines = p.read_text(encoding="utf-8-sig").split("\n")
     except FileNotFoundError:
         raise ValueError(f"{where} does not exist (allowed: a JSONL file of prompt/chosen/rejected rows)") from None
     except (OSError, UnicodeDecodeError) as e:

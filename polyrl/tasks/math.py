@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import random
 from pathlib import Path
 from typing import Any
@@ -178,6 +179,9 @@ class MathTask:
                     raise DataFileError(f"{label} {where} has a {type(value).__name__} in {key!r}; "
                                         f"the {role} must be text or a number" +
                                         (" (or a list of chat messages)" if role == "question" else ""))
+                if isinstance(value, float) and not math.isfinite(value):  # JSON's NaN/Infinity, a parquet NaN
+                    raise DataFileError(f"{label} {where} has {value} in {key!r}; the {role} must be text or a "
+                                        "finite number")
 
         self.name = "math"
         self.template = template

@@ -128,9 +128,15 @@ class RewardChannels:
         for i, v in enumerate(values):
             if isinstance(v, bool) or not isinstance(v, numbers.Real):
                 raise error(f"returned {type(v).__name__} {v!r}, not a float", i)
-            if not math.isfinite(float(v)):
-                raise error(f"returned {float(v)}, not a finite float", i)
-            if abs(float(v)) > REWARD_LIMIT:
-                raise error(f"returned {float(v):g}, beyond +-{REWARD_LIMIT:g}, where a batch's float32 statistics "
+            try:
+                value = float(v)
+            except OverflowError:  # an int beyond float's range (str() of one may be refused: 4300 digits at most)
+                raise error(f"returned an int of about {int(v.bit_length() * math.log10(2)) + 1} digits, beyond "
+                            f"+-{REWARD_LIMIT:g}, where a batch's float32 statistics overflow (scale the rewards "
+                            "down)", i) from None
+            if not math.isfinite(value):
+                raise error(f"returned {value}, not a finite float", i)
+            if abs(value) > REWARD_LIMIT:
+                raise error(f"returned {value:g}, beyond +-{REWARD_LIMIT:g}, where a batch's float32 statistics "
                             "overflow (scale the rewards down)", i)
         return [float(v) for v in values]
