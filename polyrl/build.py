@@ -43,9 +43,20 @@ def add_method_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--anchor", choices=["old", "rollout"], help="ratio denominator: pi_old or the rollout policy")
 
 
+class _Once(argparse.Action):
+    """An option given at most once: a second ``--config`` would drop the first file's settings without a word."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if getattr(namespace, self.dest, None) is not None:
+            parser.error(f"{option_string} given twice ({getattr(namespace, self.dest)!r} and {values!r}); "
+                         "allowed: one TOML file (flags override its values)")
+        setattr(namespace, self.dest, values)
+
+
 def add_train_args(p: argparse.ArgumentParser) -> None:
     """Every `polyrl train` option: a TOML file, one flag per ``TrainConfig`` field, the part overrides."""
-    p.add_argument("--config", metavar="FILE.toml", help="TOML file of train settings; flags override it")
+    p.add_argument("--config", metavar="FILE.toml", action=_Once,
+                   help="TOML file of train settings; flags override it")
     add_config_args(p)
     add_method_args(p)
 

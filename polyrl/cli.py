@@ -142,22 +142,41 @@ def cmd_docs(args: argparse.Namespace) -> int:
 
     text = render_methods_markdown()
     if not (args.check or args.write):
+        if args.manifest:
+            raise ConfigError(f"--manifest {args.manifest!r} has no effect without --write or --check (printing "
+                              "docs/methods.md writes no manifest)")
         print(text)
         return 0
     if args.plugin:  # the shipped manifest must describe the built-in presets and parts only
         raise ConfigError("docs --write / --check describe the built-in presets and parts: leave out --plugin")
     docs = Path(args.check or args.write)
+    flags = {docs: "--check" if args.check else "--write", Path(args.manifest or MANIFEST_PATH): "--manifest"}
     targets = {docs: text, Path(args.manifest or MANIFEST_PATH): render_manifest(build_manifest())}
+    for p in targets:
+        if p.is_dir():
+            raise ConfigError(f"{flags[p]} {str(p)!r} is a directory; allowed: the path of a file")
     if args.check:
-        stale = [p for p, t in targets.items() if not p.exists() or p.read_text() != t]
+        stale = [p for p, t in targets.items() if not p.exists() or _text(p, flags[p]) != t]
         for p in stale:
             print(f"{p} is stale: run `polyrl docs --write {docs}`", file=sys.stderr)
         return 1 if stale else 0
     for p, t in targets.items():
-        p.parent.mkdir(parents=True, exist_ok=True)
-        p.write_text(t)
+        try:
+            p.parent.mkdir(parents=True, exist_ok=True)
+            p.write_text(t)
+        except OSError as e:
+            raise ConfigError(f"{flags[p]} {str(p)!r} cannot be written ({e.strerror or e})") from None
         console.print(f"wrote {p}")
     return 0
+
+
+def _text(path: Path, flag: str) -> str:
+    """A file ``docs --check`` compares; one that is not UTF-8 text is a one-line ConfigError naming ``flag``."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        why = e.strerror if isinstance(e, OSError) else "not UTF-8 text"
+        raise ConfigError(f"{flag} {str(path)!r} cannot be read ({why}); allowed: a text file") from None
 
 
 def load_plugin(module: str) -> None:

@@ -165,7 +165,7 @@ def run_lock(run_dir: str | Path, option: str = "run_dir") -> Iterator[None]:
     folder), nothing is held."""
     import fcntl
 
-    lock = _beside(run_dir, "lock")
+    lock = _beside(Path(run_dir).resolve(), "lock")  # one lock however the directory is named (a symlink to it)
     made = missing_folders(lock.parent)
     while True:
         try:
@@ -303,6 +303,18 @@ def _remove(path: Path) -> None:
         shutil.rmtree(path)
 
 
+def nested_runs(run: Path) -> list[str]:
+    """The runs below ``run`` at any depth (``run_contents``; a compare's sit two folders down, and a run may have
+    been started inside a checkpoint or tb/), as paths relative to it; symlinks are not followed."""
+    found = []
+    for here, folders, _ in os.walk(run):
+        where = Path(here)
+        if where != run and run_contents(where):
+            found.append(str(where.relative_to(run)))
+            folders.clear()  # its own insides are that run's
+    return sorted(found)
+
+
 def replaceable(run_dir: str | Path, *, inputs: dict[str, Any] | None = None) -> bool:
     """Whether ``--overwrite`` has a run to remove in ``run_dir`` (False: no directory, or an empty one); what it must
     not remove (see ``clear_run_dir``) is refused in one line naming run_dir."""
@@ -325,7 +337,7 @@ def replaceable(run_dir: str | Path, *, inputs: dict[str, Any] | None = None) ->
             raise ConfigError(f"run_dir = {str(run)!r} holds {name} = {str(value)!r}, which this run reads; "
                               "--overwrite will not delete it: move it out or choose another --run-dir")
     held = run_contents(run)
-    nested = [p.name for p in run.iterdir() if p.is_dir() and p.name != "checkpoints" and run_contents(p)]
+    nested = nested_runs(run)
     if held and not nested:
         return True
     what = f"{len(entries)} entr{'y' if len(entries) == 1 else 'ies'} ({', '.join(entries[:4])}" + \

@@ -148,3 +148,28 @@ def test_checkpoint_error_is_one_class_wherever_imported():
     from polyrl.errors import CheckpointError as from_errors
 
     assert from_checkpoint is from_errors
+
+
+def test_docs_paths_that_are_not_text_files_and_a_manifest_alone_are_one_line(tmp_path, capsys):
+    binary = tmp_path / "bin.md"
+    binary.write_bytes(bytes(range(128, 256)))
+    for argv, fragment in [
+        (["docs", "--check", str(tmp_path)], f"--check '{tmp_path}' is a directory; allowed: the path of a file"),
+        (["docs", "--write", str(tmp_path / "m.md"), "--manifest", str(tmp_path)], "--manifest"),
+        (["docs", "--check", str(DOCS), "--manifest", str(binary)], "cannot be read (not UTF-8 text)"),
+        (["docs", "--manifest", str(tmp_path / "m.json")], "has no effect without --write or --check"),
+    ]:
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err.strip()
+        assert fragment in err and len(err.splitlines()) == 1, err
+    assert not (tmp_path / "m.json").exists() and not (tmp_path / "m.md").exists()
+
+
+def test_a_second_config_file_is_refused_not_dropped(tmp_path, capsys):
+    first, second = tmp_path / "a.toml", tmp_path / "b.toml"
+    first.write_text("[sampling]\ntemperature = 0.5\n")
+    second.write_text("[sampling]\ntop_k = 3\n")
+    with pytest.raises(SystemExit) as exit_:
+        main(["train", "--config", str(first), "--config", str(second)])
+    assert exit_.value.code == 2
+    assert "--config given twice" in capsys.readouterr().err

@@ -183,6 +183,19 @@ def test_the_lock_lies_beside_the_directory_and_leaves_no_folders(tmp_path, monk
     assert not (tmp_path / "typo").exists() and not (tmp_path / ".d.lock").exists()
 
 
+def test_the_lock_is_the_same_through_a_symlink_to_the_directory(tmp_path):
+    """A run reached by a symlink is the same run: a second command through the link is refused (two trainers
+    shared one run directory when the lock lay beside the link)."""
+    from polyrl.runs import run_lock
+
+    (tmp_path / "real").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    with run_lock(tmp_path / "real"):
+        with pytest.raises(ConfigError, match="is in use by another polyrl command"):
+            with run_lock(tmp_path / "link"):
+                pass
+
+
 def test_absolute_paths_keep_what_names_no_file(tmp_path, monkeypatch):
     """A reward ``module:function`` stays as given even beside a folder of the module's name (made absolute, it
     could not be imported); a ``FILE.py:function`` and an existing data file become absolute."""
@@ -254,6 +267,15 @@ def test_clear_run_dir_clears_a_run_or_nothing_and_refuses_the_rest(tmp_path, mo
             clear_run_dir(path)
         assert fragment in str(e.value) and "\n" not in str(e.value), str(e.value)
     assert (hf / "model.safetensors").exists() and (runs / "a" / "config.json").exists() and afile.exists()
+    for inner in ("cmp/grpo/seed0", "checkpoints/step_000001/inner", "tb/inner"):  # a compare's; runs started in
+        outer = tmp_path / "outer" / inner.replace("/", "_")  # a checkpoint or tb/: each one or two folders down
+        _save(outer, 1, 0.0)
+        (outer / "metrics.jsonl").write_text('{"step": 0}\n')
+        (outer / inner).mkdir(parents=True, exist_ok=True)
+        (outer / inner / "config.json").write_text('{"config": {}}')
+        with pytest.raises(ConfigError, match=f"other runs in {inner}"):
+            clear_run_dir(outer)
+        assert (outer / inner / "config.json").exists()
     with pytest.raises(ConfigError, match="no polyrl run"):  # the families' run directories too
         start_run_dir(hf, overwrite=True)
     one = tmp_path / "one"  # a polyrl run (here only a checkpoint and its metrics) is cleared
