@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from polyrl.config import ConfigError, TrainConfig, add_config_args, flat, settings
+from polyrl.config import ConfigError, Once, TrainConfig, add_config_args, flat, settings
 from polyrl.runs import check_out_dir, check_resume_steps
 from polyrl.tasks.base import held_out_prompts
 
@@ -43,19 +43,9 @@ def add_method_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--anchor", choices=["old", "rollout"], help="ratio denominator: pi_old or the rollout policy")
 
 
-class _Once(argparse.Action):
-    """An option given at most once: a second ``--config`` would drop the first file's settings without a word."""
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        if getattr(namespace, self.dest, None) is not None:
-            parser.error(f"{option_string} given twice ({getattr(namespace, self.dest)!r} and {values!r}); "
-                         "allowed: one TOML file (flags override its values)")
-        setattr(namespace, self.dest, values)
-
-
 def add_train_args(p: argparse.ArgumentParser) -> None:
     """Every `polyrl train` option: a TOML file, one flag per ``TrainConfig`` field, the part overrides."""
-    p.add_argument("--config", metavar="FILE.toml", action=_Once,
+    p.add_argument("--config", metavar="FILE.toml", action=Once,
                    help="TOML file of train settings; flags override it")
     add_config_args(p)
     add_method_args(p)
@@ -304,7 +294,17 @@ def check_combinations(cfg: TrainConfig, method, task) -> None:
 
     default = TrainConfig()
     adv = method.advantage.name
-    pick_device(cfg.scale.device, cfg.scale.nproc)  # refuses cuda where torch sees too few GPUs
+    where = pick_device(cfg.scale.device, cfg.scale.nproc)  # refuses cuda where torch sees too few GPUs
+    actors = cfg.scale.actors(cfg.prefetch.staleness)
+    if cfg.scale.rollout_worker_gpus and cfg.scale.ray_address is None and where.type == "cuda":
+        import torch
+
+        have, need = torch.cuda.device_count() - cfg.scale.nproc, actors * cfg.scale.rollout_worker_gpus
+        if need > have:  # the local Ray instance gets the GPUs the trainers leave (rollout/remote/pool.py)
+            raise ConfigError(f"rollout_worker_gpus = {cfg.scale.rollout_worker_gpus:g} is not allowed here: "
+                              f"{actors} rollout actor(s) need {need:g} GPU(s), and the {cfg.scale.nproc} training "
+                              f"process(es) (device = {cfg.scale.device!r}) take {cfg.scale.nproc} of this machine's "
+                              f"{torch.cuda.device_count()}; use --device cpu, or fewer or smaller actors")
     if cfg.engine.backend == "vllm":
         import importlib.util
 

@@ -237,13 +237,15 @@ def cmd_export(args: argparse.Namespace) -> int:
                           "; allowed: a run directory or its checkpoints/step_NNNNNN")
     verify_checkpoint(checkpoint)  # one line for a missing or corrupt checkpoint
     run = checkpoint.parent.parent
-    saved = (saved_record(str(run)) or {}).get("config", {})
+    record = saved_record(str(run)) or {}
+    saved = record.get("config", {})
     model = args.model or saved.get("model")
     if model is None and (run / "summary.json").is_file():  # a warm-start run: summary.json names the directory
         model = json.loads((run / "summary.json").read_text()).get("model")
     if model is None:
         raise ConfigError(f"checkpoint {checkpoint}: its run has no config.json naming the model; pass --model DIR")
-    out = export_hf(checkpoint, args.out, model, chat_template=saved.get("chat_template", "auto"))
+    out = export_hf(checkpoint, args.out, model, chat_template=saved.get("chat_template", "auto"),
+                    template_text=record.get("chat_template_text"))
     console.print(f"exported {checkpoint} to {out} (load it with from_pretrained)")
     return 0
 
@@ -337,7 +339,11 @@ def _train_plan(args: argparse.Namespace, plan: TrainPlan, release=lambda: None)
         console.print(f"resuming {run_dir} from {cfg.resume_from} with its own settings"
                       + (f" (changed: {said})" if said else ""))
     else:
-        write_record(run_dir, {"config": to_dict(cfg), "method": method_dict(method), "overrides": plan.overrides})
+        from polyrl.tasks.chat import read_template
+
+        record = {"config": to_dict(cfg), "method": method_dict(method), "overrides": plan.overrides}
+        template = read_template(cfg.data.chat_template)  # its text, for the export (the file may move or change)
+        write_record(run_dir, record if template is None else {**record, "chat_template_text": template})
         console.print_json(json.dumps(to_dict(cfg)))
     console.print(f"method: {method.name} = " + "; ".join(f"{k} {v}" for k, v in method.parts().items() if v))
     try:

@@ -48,6 +48,17 @@ from polyrl.runs import max_threads
 from polyrl.tasks.config import DataConfig
 
 
+class Once(argparse.Action):
+    """An option given at most once (``--config``): a second one would drop the first file's settings without a
+    word."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if getattr(namespace, self.dest, None) is not None:
+            parser.error(f"{option_string} given twice ({getattr(namespace, self.dest)!r} and {values!r}); "
+                         "allowed: one TOML file (flags override its values)")
+        setattr(namespace, self.dest, values)
+
+
 @dataclass
 class TrainConfig:
     """Everything `polyrl train` needs; the method's maths is chosen by `method` plus part overrides."""

@@ -306,8 +306,12 @@ def _remove(path: Path) -> None:
 def nested_runs(run: Path) -> list[str]:
     """The runs below ``run`` at any depth (``run_contents``; a compare's sit two folders down, and a run may have
     been started inside a checkpoint or tb/), as paths relative to it; symlinks are not followed."""
+    def unreadable(e: OSError) -> None:  # a run inside it could not be seen
+        raise ConfigError(f"run_dir = {str(run)!r}: {e.filename} cannot be listed ({e.strerror}); --overwrite clears "
+                          "only what it can check: fix its permissions or choose another --run-dir")
+
     found = []
-    for here, folders, _ in os.walk(run):
+    for here, folders, _ in os.walk(run, onerror=unreadable):
         where = Path(here)
         if where != run and run_contents(where):
             found.append(str(where.relative_to(run)))
@@ -337,7 +341,7 @@ def replaceable(run_dir: str | Path, *, inputs: dict[str, Any] | None = None) ->
             raise ConfigError(f"run_dir = {str(run)!r} holds {name} = {str(value)!r}, which this run reads; "
                               "--overwrite will not delete it: move it out or choose another --run-dir")
     held = run_contents(run)
-    nested = nested_runs(run)
+    nested = nested_runs(run) if held else []  # no run here: refused whatever lies below
     if held and not nested:
         return True
     what = f"{len(entries)} entr{'y' if len(entries) == 1 else 'ies'} ({', '.join(entries[:4])}" + \

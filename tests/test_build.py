@@ -323,3 +323,15 @@ def test_rollout_actors_get_the_gpus_the_trainers_do_not_use(monkeypatch):
     assert free_gpus(1, None) == ["1", "2", "3"]  # one process on GPU 0
     assert free_gpus(2, "3,5,6") == ["6"]  # ranks on the first two visible
     assert free_gpus(0, None) == ["0", "1", "2", "3"]
+
+
+def test_rollout_actors_asking_for_gpus_the_trainer_takes_are_refused(tiny_model, tmp_path, monkeypatch):
+    """One GPU, a trainer on it (auto) and an actor asking Ray for one: the actor could never be placed."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    argv = ["--model", tiny_model, "--rollout-workers", "1", "--rollout-worker-gpus", "1"]
+    with pytest.raises(ConfigError, match=r"^rollout_worker_gpus = 1 is not allowed here: 1 rollout actor\(s\) need "
+                                          r"1 GPU\(s\), and the 1 training process\(es\) \(device = 'auto'\) take 1 "
+                                          r"of this machine's 1; use --device cpu"):
+        _resolve(argv, tmp_path)
+    assert _resolve([*argv, "--device", "cpu"], tmp_path).cfg.scale.device == "cpu"  # the trainer leaves it free

@@ -229,30 +229,31 @@ def test_math_with_a_chat_template_trains_end_to_end(tmp_path, qwen):
 
 @pytest.mark.parametrize("setting", ["file", "none", "auto"])
 def test_an_export_renders_prompts_as_its_run_did(tmp_path, qwen, setting):
-    """The exported tokenizer carries the run's template: the file's (not the base's own), none for plain-text
-    prompts, the base's own for auto; a prompt rendered by the export matches the one the run trained on."""
+    """The exported tokenizer carries the run's template: the file's text as the run read it (not the base's own; the
+    file moved away since), none for plain-text prompts, the base's own for auto. Every prompt the run logged is
+    one of the data file's questions as the export renders it."""
     from transformers import AutoTokenizer
 
     from polyrl.cli import main
 
     template = tmp_path / "t.jinja"
-    template.write_text("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>")
+    text = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>"
+    template.write_text(text)
     chosen = {"file": str(template), "none": "none", "auto": "auto"}[setting]
     data, run = _write(tmp_path / "f.jsonl", _rows()), tmp_path / "run"
     assert main(["train", "--task", "math", "--data-file", data, "--model", qwen, "--chat-template", chosen,
                  "--steps", "1", "--prompts-per-step", "2", "--group-size", "2", "--max-new-tokens", "4",
                  "--eval-prompts", "2", "--run-dir", str(run), "--threads", "1", "--log-every", "1",
                  "--no-tensorboard"]) == 0
+    template.rename(tmp_path / "moved.jinja")
     assert main(["export", str(run), str(tmp_path / "out")]) == 0
     exported = AutoTokenizer.from_pretrained(tmp_path / "out")
-    trained = json.loads((run / "samples.jsonl").read_text().splitlines()[0])["prompt"]
-    question = json.loads((tmp_path / "f.jsonl").read_text().splitlines()[0])["question"]
-    if setting == "none":
-        assert exported.chat_template is None and "<|user|>" not in trained
-    else:
-        own = AutoTokenizer.from_pretrained(qwen).chat_template
-        assert exported.chat_template == (template.read_text() if setting == "file" else own)
-        rendered = exported.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
-                                                add_generation_prompt=True)
-        assert trained.startswith("<user>" if setting == "file" else "<bos><|user|>") and rendered[:6] == trained[:6]
+    own = AutoTokenizer.from_pretrained(qwen).chat_template
+    assert exported.chat_template == {"file": text, "none": None, "auto": own}[setting]
+    task = MathTask(data)
+    questions = [p.text for split in ("train", "test") for p in task.prompts(split, 40, 0)]  # the task's wording
+    rendered = {q if setting == "none" else exported.apply_chat_template(
+        [{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True) for q in questions}
+    trained = {json.loads(line)["prompt"] for line in (run / "samples.jsonl").read_text().splitlines()}
+    assert trained and trained <= rendered, (sorted(trained)[:1], sorted(rendered)[:1])
     assert json.loads((tmp_path / "out" / "polyrl_export.json").read_text())["chat_template"] == chosen

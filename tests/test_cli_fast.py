@@ -165,11 +165,13 @@ def test_docs_paths_that_are_not_text_files_and_a_manifest_alone_are_one_line(tm
     assert not (tmp_path / "m.json").exists() and not (tmp_path / "m.md").exists()
 
 
-def test_a_second_config_file_is_refused_not_dropped(tmp_path, capsys):
+@pytest.mark.parametrize("command", [["train"], ["flow", "train"], ["q", "train"], ["duplex", "train"],
+                                     ["marl", "train"], ["marl", "report"]])
+def test_a_second_config_file_is_refused_not_dropped(tmp_path, capsys, command):
     first, second = tmp_path / "a.toml", tmp_path / "b.toml"
-    first.write_text("[sampling]\ntemperature = 0.5\n")
-    second.write_text("[sampling]\ntop_k = 3\n")
+    first.write_text("steps = 1\n")
+    second.write_text("seed = 3\n")
     with pytest.raises(SystemExit) as exit_:
-        main(["train", "--config", str(first), "--config", str(second)])
+        main([*command, "--config", str(first), "--config", str(second)])
     assert exit_.value.code == 2
     assert "--config given twice" in capsys.readouterr().err

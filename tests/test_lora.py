@@ -182,3 +182,20 @@ def test_rollout_workers_sample_with_the_merged_weights(tiny_model, tmp_path):
     for a, b in zip(rows["local"], rows["workers"]):
         assert a["reward/mean"] == b["reward/mean"]
         assert abs(a["objective/loss"] - b["objective/loss"]) < 1e-4
+
+
+def test_gpt2_conv1d_layers_are_targets_by_name(tmp_path):
+    """GPT-2's linear layers are transformers' Conv1D (c_attn, c_proj, c_fc), which PEFT adapts: naming them takes
+    them, and a wrong name lists them as allowed (the check once counted nn.Linear only and refused every name)."""
+    from polyrl.learner.lora import add_adapters
+    from polyrl.tinyhf import build_tiny
+
+    model, _ = load_policy(build_tiny("gpt2", tmp_path / "gpt2"), threads=1)
+    peft_model = add_adapters(model, rank=4, alpha=8.0, dropout=0.0, targets="c_attn")
+    adapted = {name.split(".lora_A")[0].rsplit(".", 1)[-1] for name, _ in peft_model.named_parameters()
+               if ".lora_A" in name}
+    assert adapted == {"c_attn"}
+    model, _ = load_policy(tmp_path / "gpt2", threads=1)
+    with pytest.raises(ValueError, match=r"q_proj matches no module of the model; allowed: all-linear or names among "
+                                         r"c_attn, c_fc, c_proj"):
+        add_adapters(model, rank=4, alpha=8.0, dropout=0.0, targets="q_proj")

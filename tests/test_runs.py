@@ -119,6 +119,10 @@ def huge(prompts, completions, **kw):
 def huge_int(prompts, completions, **kw):
     return [10 ** 5000 if i == 1 else 0 for i in range(len(completions))]
 
+def huge_fraction(prompts, completions, **kw):
+    from fractions import Fraction
+    return [Fraction(10 ** 400, 3) if i == 0 else 0 for i in range(len(completions))]
+
 def constant(prompts, completions, **kw):
     return [1.0] * len(completions)
 
@@ -139,8 +143,9 @@ def counted(prompts, completions, answers, **kw):
     ("huge", "returned 1e+300, beyond +-1e+15, where a batch's float32 statistics overflow (scale the rewards "
              "down) at step 0, completion 2"),
     # beyond float's range (float() raised OverflowError) and str()'s 4300 digits
-    ("huge_int", "returned an int of about 5001 digits, beyond +-1e+15, where a batch's float32 statistics "
+    ("huge_int", "returned int of about 5001 digits, beyond +-1e+15, where a batch's float32 statistics "
                  "overflow (scale the rewards down) at step 0, completion 1"),
+    ("huge_fraction", "returned Fraction of about 400 digits, beyond +-1e+15"),
 ])
 def test_bad_reward_functions_stop_the_run_with_one_line(tiny_model, tmp_path, capsys, fn, fragment):
     (tmp_path / "my_rewards.py").write_text(REWARDS)

@@ -43,6 +43,9 @@ def add_adapters(model: nn.Module, *, rank: int, alpha: float, targets: str, dro
         raise ValueError(f"lora_targets = {targets!r} names the LM head ({', '.join(sorted(head_names))}); the head "
                          "is applied as a plain linear layer by the sampler and the trainer: leave it out")
     if isinstance(names, list):  # PEFT refuses only when no name matches: one stray name would be ignored
+        from transformers.pytorch_utils import Conv1D
+
+        layer = (nn.Linear, Conv1D)  # GPT-2's linear layers are transformers' Conv1D, which PEFT adapts too
         modules = dict(model.named_modules())
 
         def matched(n: str) -> list[nn.Module]:  # PEFT's rule: the full name or its dotted suffix
@@ -50,13 +53,13 @@ def add_adapters(model: nn.Module, *, rank: int, alpha: float, targets: str, dro
 
         missing = [n for n in names if not matched(n)]
         linear = sorted({full.rsplit(".", 1)[-1] for full, m in modules.items()
-                         if isinstance(m, nn.Linear) and m is not head})
+                         if isinstance(m, layer) and m is not head})
         if missing:
             raise ValueError(f"lora_targets = {targets!r}: {', '.join(missing)} "
                              f"match{'es' if len(missing) == 1 else ''} no module of the model; "
                              f"allowed: all-linear or names among {', '.join(linear)}")
         # a block (mlp, layers): PEFT's error then printed the module's repr, cut to its first line
-        blocks = [n for n in names if not any(isinstance(m, nn.Linear) for m in matched(n))]
+        blocks = [n for n in names if not any(isinstance(m, layer) for m in matched(n))]
         if blocks:
             raise ValueError(f"lora_targets = {targets!r}: {', '.join(blocks)} "
                              f"{'is a block' if len(blocks) == 1 else 'are blocks'} of modules, not a linear layer; "

@@ -244,14 +244,15 @@ def check_export_destination(checkpoint_dir: str | Path, out_dir: str | Path) ->
 
 
 def export_hf(checkpoint_dir: str | Path, out_dir: str | Path, model_dir: str | Path, *,
-              chat_template: str = "auto") -> Path:
+              chat_template: str = "auto", template_text: str | None = None) -> Path:
     """Write the policy of a checkpoint (either layout, or a LoRA adapter: merged) as a plain Hugging Face directory
     loadable with ``from_pretrained``: config, generation config and tokenizer from ``model_dir``, weights from the
     checkpoint, and ``EXPORT_MARKER`` (what was exported). Needs no process group (call it on one rank).
 
     ``chat_template``: the run's setting (``--chat-template``). The tokenizer keeps its own template for auto, takes
     the run's template file's text for a path, and has none for none (the run's prompts were plain text), so that
-    the export renders prompts as training did.
+    the export renders prompts as training did. ``template_text``: that file's text as the run read it (its record
+    keeps it), taken before the file, which may have moved or changed since.
 
     ``out_dir`` must be new, empty or a previous export (``check_export_destination``; a run or checkpoint directory
     is never written). The export is written into a temporary sibling and renamed into place, so a failed export
@@ -274,9 +275,10 @@ def export_hf(checkpoint_dir: str | Path, out_dir: str | Path, model_dir: str | 
     tokenizer = load_tokenizer(model_dir)
     if chat_template != AUTO:
         try:
-            tokenizer.chat_template = read_template(chat_template)  # None for none
-        except ValueError as e:
-            raise ConfigError(f"{e}: the export carries the template the run rendered its prompts with") from None
+            tokenizer.chat_template = template_text or read_template(chat_template)  # None for none
+        except ValueError as e:  # a run recorded before its record kept the text, whose file is gone
+            raise ConfigError(f"{e}: the export carries the template the run rendered its prompts with; put the "
+                              "file back there") from None
     if (checkpoint_dir / ADAPTER_DIR).is_dir():  # LoRA: the base with the adapter merged into its weights
         try:
             model = merged_model(model_dir, checkpoint_dir / ADAPTER_DIR)

@@ -130,10 +130,10 @@ class RewardChannels:
                 raise error(f"returned {type(v).__name__} {v!r}, not a float", i)
             try:
                 value = float(v)
-            except OverflowError:  # an int beyond float's range (str() of one may be refused: 4300 digits at most)
-                raise error(f"returned an int of about {int(v.bit_length() * math.log10(2)) + 1} digits, beyond "
-                            f"+-{REWARD_LIMIT:g}, where a batch's float32 statistics overflow (scale the rewards "
-                            "down)", i) from None
+            except OverflowError:  # an int (or Fraction) beyond float's range; str() of one may be refused
+                digits = int(int(v).bit_length() * math.log10(2)) + 1
+                raise error(f"returned {type(v).__name__} of about {digits} digits, beyond +-{REWARD_LIMIT:g}, where "
+                            "a batch's float32 statistics overflow (scale the rewards down)", i) from None
             if not math.isfinite(value):
                 raise error(f"returned {value}, not a finite float", i)
             if abs(value) > REWARD_LIMIT:

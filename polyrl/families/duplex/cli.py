@@ -18,7 +18,7 @@ from dataclasses import asdict, replace
 from rich.console import Console
 from rich.table import Table
 
-from polyrl.config import ConfigError
+from polyrl.config import ConfigError, Once
 from polyrl.families import family_config, flag_values, parse_train_flags, record_of
 from polyrl.families.duplex import HELP as DUPLEX_HELP
 from polyrl.runs import files_line
@@ -185,7 +185,8 @@ def add_train_args(p: argparse.ArgumentParser, *, run: bool = True) -> None:
     if run:
         p.add_argument("--method", help=f"duplex preset: {', '.join(sorted(DUPLEX_METHODS))} "
                        "(default: grpo; with --resume: the run's own)")
-    p.add_argument("--config", metavar="FILE.toml", help="TOML file of the settings below; flags override it")
+    p.add_argument("--config", metavar="FILE.toml", action=Once,
+                   help="TOML file of the settings below; flags override it")
     if run:
         p.add_argument("--run-dir", help="output directory (default: runs/duplex/METHOD-TASK-sSEED)")
         p.add_argument("--overwrite", action="store_true", help="replace an existing run in --run-dir")

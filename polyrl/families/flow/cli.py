@@ -13,7 +13,7 @@ import sys
 from rich.console import Console
 from rich.table import Table
 
-from polyrl.config import ConfigError
+from polyrl.config import ConfigError, Once
 from polyrl.families import family_config, flag_values, parse_train_flags, record_of
 from polyrl.families.flow import HELP as FLOW_HELP
 from polyrl.runs import files_line
@@ -123,7 +123,8 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--method", default="flow_dppo", help=f"flow preset: {', '.join(sorted(FLOW_METHODS))} "
                    "(default: flow_dppo)")
-    p.add_argument("--config", metavar="FILE.toml", help="TOML file of the settings below; flags override it")
+    p.add_argument("--config", metavar="FILE.toml", action=Once,
+                   help="TOML file of the settings below; flags override it")
     p.add_argument("--run-dir", help="output directory (default: runs/flow/METHOD-TASK-sSEED)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing run in --run-dir")
     add_config_args(p, FlowTrainConfig)

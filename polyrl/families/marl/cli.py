@@ -19,7 +19,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from polyrl.config import ConfigError
+from polyrl.config import ConfigError, Once
 from polyrl.families import family_config, flag_values, parse_train_flags, record_of
 from polyrl.families.marl import HELP as MARL_HELP
 from polyrl.runs import files_line
@@ -167,7 +167,8 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     from polyrl.families.marl.train import MarlTrainConfig
 
     p.add_argument("--method", help=f"preset: {', '.join(MARL_METHODS)} (default: mappo)")
-    p.add_argument("--config", metavar="FILE.toml", help="TOML file of the settings below; flags override it")
+    p.add_argument("--config", metavar="FILE.toml", action=Once,
+                   help="TOML file of the settings below; flags override it")
     p.add_argument("--run-dir", help="output directory (default: runs/marl/METHOD-sSEED)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing run in --run-dir")
     p.add_argument("--resume", action="store_true", help="continue the run in --run-dir from its checkpoint.pt")
@@ -217,7 +218,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    "settings differ from these (matching ones are still reused)")
     p.add_argument("--methods", default="mappo,ippo", help="presets to compare (default: mappo,ippo)")
     p.add_argument("--ci", type=float, default=0.9, help="bootstrap confidence level over seeds (default: 0.9)")
-    p.add_argument("--config", metavar="FILE.toml", help="TOML file of the train settings; flags override it")
+    p.add_argument("--config", metavar="FILE.toml", action=Once,
+                   help="TOML file of the train settings; flags override it")
     add_config_args(p, MarlTrainConfig)
     # seeds are 0..N-1: a --seed would be ignored, so it is left out of the help and refused when given
     p.add_argument("--seed", type=int, default=None, help=argparse.SUPPRESS)

@@ -15,7 +15,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from polyrl.config import ConfigError
+from polyrl.config import ConfigError, Once
 from polyrl.families import parse_train_flags, record_of
 from polyrl.families.q import HELP as Q_HELP
 from polyrl.runs import files_line
@@ -144,7 +144,8 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--method", default=None, help=f"target-update preset: {', '.join(Q_METHODS)} "
                    f"(default: {DEFAULT_METHOD})")
-    p.add_argument("--config", metavar="FILE.toml", help="TOML file of the settings below; flags override it")
+    p.add_argument("--config", metavar="FILE.toml", action=Once,
+                   help="TOML file of the settings below; flags override it")
     p.add_argument("--run-dir", help="output directory (default: runs/q/METHOD-TASK-sSEED)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing run in --run-dir")
     p.add_argument("--resume", action="store_true", help="continue the run in --run-dir from its checkpoint.pkl "
