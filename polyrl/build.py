@@ -161,10 +161,8 @@ def resolve_train(args: argparse.Namespace, *, claim: Callable[[str], None] | No
         RewardChannels(task, *parse_reward_specs(cfg.reward_funcs, cfg.reward_weights))  # imports them: fail now
     except (ValueError, FileNotFoundError, KeyError) as e:
         raise ConfigError(f"task = {cfg.task!r}: {e}") from None
-    check_combinations(cfg, method, task)
-    from polyrl.learner.dist import pick_device
-
-    if cfg.scale.device == "auto" and pick_device("auto", cfg.scale.nproc).type == "cuda":
+    where = check_combinations(cfg, method, task)
+    if cfg.scale.device == "auto" and where.type == "cuda":
         notes.append("device = 'auto': training on the GPU (--device cpu keeps it on the CPU)")
     try:
         held_out = len(held_out_prompts(task, cfg.eval.prompts))
@@ -283,8 +281,9 @@ def _processes_from_launcher(cfg: TrainConfig, given: bool) -> None:
     cfg.scale.nproc = local_processes()
 
 
-def check_combinations(cfg: TrainConfig, method, task) -> None:
-    """Refuse, in one line naming both sides, a setting that the method, the task or another setting makes moot.
+def check_combinations(cfg: TrainConfig, method, task):
+    """Refuse, in one line naming both sides, a setting that the method, the task or another setting makes moot;
+    return the device the training processes will use (``pick_device``).
 
     The rules that need only the config live in ``config.validate``; these also need the method or the task.
     """
@@ -295,16 +294,7 @@ def check_combinations(cfg: TrainConfig, method, task) -> None:
     default = TrainConfig()
     adv = method.advantage.name
     where = pick_device(cfg.scale.device, cfg.scale.nproc)  # refuses cuda where torch sees too few GPUs
-    actors = cfg.scale.actors(cfg.prefetch.staleness)
-    if cfg.scale.rollout_worker_gpus and cfg.scale.ray_address is None and where.type == "cuda":
-        import torch
-
-        have, need = torch.cuda.device_count() - cfg.scale.nproc, actors * cfg.scale.rollout_worker_gpus
-        if need > have:  # the local Ray instance gets the GPUs the trainers leave (rollout/remote/pool.py)
-            raise ConfigError(f"rollout_worker_gpus = {cfg.scale.rollout_worker_gpus:g} is not allowed here: "
-                              f"{actors} rollout actor(s) need {need:g} GPU(s), and the {cfg.scale.nproc} training "
-                              f"process(es) (device = {cfg.scale.device!r}) take {cfg.scale.nproc} of this machine's "
-                              f"{torch.cuda.device_count()}; use --device cpu, or fewer or smaller actors")
+    _check_actor_gpus(cfg, where)
     if cfg.engine.backend == "vllm":
         import importlib.util
 
@@ -390,6 +380,23 @@ def check_combinations(cfg: TrainConfig, method, task) -> None:
                           f"{' and reward_funcs' if cfg.reward_funcs else ''}: it needs a reward that is 1 exactly "
                           "when the completion is the reference answer (addition, addition_mixed); use history or "
                           "shared")
+    return where
+
+
+def _check_actor_gpus(cfg: TrainConfig, where) -> None:
+    """Refuse rollout actors that ask a local Ray instance for GPUs the training processes on ``where`` take (it gets
+    the ones they leave: rollout/remote/pool.py), where they could never be placed."""
+    if not cfg.scale.rollout_worker_gpus or cfg.scale.ray_address is not None or where.type != "cuda":
+        return
+    import torch
+
+    actors = cfg.scale.actors(cfg.prefetch.staleness)
+    have, need = torch.cuda.device_count() - cfg.scale.nproc, actors * cfg.scale.rollout_worker_gpus
+    if need > have:
+        raise ConfigError(f"rollout_worker_gpus = {cfg.scale.rollout_worker_gpus:g} is not allowed here: "
+                          f"{actors} rollout actor(s) need {need:g} GPU(s), and the {cfg.scale.nproc} training "
+                          f"process(es) (device = {cfg.scale.device!r}) take {cfg.scale.nproc} of this machine's "
+                          f"{torch.cuda.device_count()}; use --device cpu, or fewer or smaller actors")
 
 
 def _resume_settings(run_dir: str, values: dict[str, Any], overrides: dict[str, Any], notes: list[str]):

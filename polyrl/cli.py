@@ -150,22 +150,22 @@ def cmd_docs(args: argparse.Namespace) -> int:
     if args.plugin:  # the shipped manifest must describe the built-in presets and parts only
         raise ConfigError("docs --write / --check describe the built-in presets and parts: leave out --plugin")
     docs = Path(args.check or args.write)
-    flags = {docs: "--check" if args.check else "--write", Path(args.manifest or MANIFEST_PATH): "--manifest"}
-    targets = {docs: text, Path(args.manifest or MANIFEST_PATH): render_manifest(build_manifest())}
-    for p in targets:
+    targets = [(docs, "--check" if args.check else "--write", text),  # (path, the flag naming it, its text)
+               (Path(args.manifest or MANIFEST_PATH), "--manifest", render_manifest(build_manifest()))]
+    for p, flag, _ in targets:
         if p.is_dir():
-            raise ConfigError(f"{flags[p]} {str(p)!r} is a directory; allowed: the path of a file")
+            raise ConfigError(f"{flag} {str(p)!r} is a directory; allowed: the path of a file")
     if args.check:
-        stale = [p for p, t in targets.items() if not p.exists() or _text(p, flags[p]) != t]
+        stale = [p for p, flag, t in targets if not p.exists() or _text(p, flag) != t]
         for p in stale:
             print(f"{p} is stale: run `polyrl docs --write {docs}`", file=sys.stderr)
         return 1 if stale else 0
-    for p, t in targets.items():
+    for p, flag, t in targets:
         try:
             p.parent.mkdir(parents=True, exist_ok=True)
             p.write_text(t)
         except OSError as e:
-            raise ConfigError(f"{flags[p]} {str(p)!r} cannot be written ({e.strerror or e})") from None
+            raise ConfigError(f"{flag} {str(p)!r} cannot be written ({e.strerror or e})") from None
         console.print(f"wrote {p}")
     return 0
 
