@@ -136,9 +136,6 @@ def resolve_train(args: argparse.Namespace, *, claim: Callable[[str], None] | No
     if given.resume and not given.overwrite:
         values, overrides, changes = _resume_settings(run_dir, values, overrides, notes)
     cfg = build_config(values)
-    if cfg.resume and cfg.prefetch.staleness and latest_checkpoint(run_dir) is not None:
-        notes.append("an asynchronous run resumes close to, not exactly as, an unbroken one: the batches in flight "
-                     "were not saved, so the first one is sampled with the checkpoint's weights, not staler ones")
     cfg.run_dir = run_dir
     _processes_from_launcher(cfg, getattr(args, "nproc", None) is not None)
     validate(cfg)
@@ -288,7 +285,7 @@ def check_combinations(cfg: TrainConfig, method, task):
     The rules that need only the config live in ``config.validate``; these also need the method or the task.
     """
     from polyrl.learner.dist import pick_device
-    from polyrl.registry import ADVANTAGES
+    from polyrl.registry import ADVANTAGES, TRUST_REGIONS
     from polyrl.tasks.rewards import parse_reward_specs
 
     default = TrainConfig()
@@ -303,6 +300,12 @@ def check_combinations(cfg: TrainConfig, method, task):
         if importlib.util.find_spec("vllm") is None or not torch.cuda.is_available():
             raise ConfigError("generator = 'vllm' is not allowed here; it needs a CUDA GPU and "
                               "`pip install 'polyrl[vllm]'` (or use --generator hf)")
+    if "rollout_topk" in TRUST_REGIONS.spec(method.trust_region.name).tags and (
+            cfg.prefetch.staleness or cfg.engine.backend == "vllm"):
+        said = f"async_staleness = {cfg.prefetch.staleness}" if cfg.prefetch.staleness else "generator = 'vllm'"
+        raise ConfigError(f"{said} is not allowed with trust region {method.trust_region.name!r}: it compares the "
+                          "rollout policy's top-K distribution, which only a sampler at the trainer's weights gives "
+                          "(use dppo_tv or dppo_kl, which read the sampled token's rollout log-prob)")
     if method.needs_groups and cfg.group_size < 2:
         raise ConfigError(f"group_size = {cfg.group_size} is not allowed with advantage {adv!r} "
                           "(a group estimator needs >= 2 completions per prompt)")

@@ -107,3 +107,31 @@ def test_a_stopped_driver_resumes_exactly_with_workers_on_a_fresh_instance(model
     resumed = _rows(run)
     assert [r["step"] for r in resumed] == [1, 2, 3, 4]
     assert [r["reward/mean"] for r in resumed] == [r["reward/mean"] for r in plain]
+
+
+def test_an_asynchronous_run_resumes_exactly(models, tmp_path, monkeypatch):
+    """The batches in flight at a checkpoint are saved with it: the resumed run trains on the very samples the
+    unbroken one did, drawn with the same stale weights (staleness 2 at the first step after the resume, not 0)."""
+    task, method = AdditionTask(), get_method("grpo")
+    unbroken = tmp_path / "unbroken"
+    train(_cfg(unbroken, async_staleness=2, rollout_workers=1), method, model_dir=models[0], task=task,
+          run_dir=str(unbroken), console=QUIET)
+    run = tmp_path / "resumed"
+    real_collect = GroupSource.collect
+
+    def die_at_step_3(self, method, stream, step):
+        if step == 3:
+            raise KeyboardInterrupt
+        return real_collect(self, method, stream, step)
+
+    monkeypatch.setattr(GroupSource, "collect", die_at_step_3)
+    with pytest.raises(KeyboardInterrupt):
+        train(_cfg(run, async_staleness=2, rollout_workers=1), method, model_dir=models[0], task=task,
+              run_dir=str(run), console=QUIET)
+    monkeypatch.undo()
+    train(_cfg(run, async_staleness=2, rollout_workers=1, resume=True), method, model_dir=models[0], task=task,
+          run_dir=str(run), console=QUIET)
+    keys = ("reward/mean", "async/staleness_max", "async/staleness_mean", "objective/loss", "rollout/mean_len")
+    want = [[r[k] for k in keys] for r in _rows(unbroken)]
+    assert [r["async/staleness_max"] for r in _rows(unbroken)] == [0, 1, 2, 2]
+    assert [[r[k] for k in keys] for r in _rows(run)] == want

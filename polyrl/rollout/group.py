@@ -67,10 +67,16 @@ class GroupSource:
         self.runner.after_update(weights, version)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"history": dict(self.history)}
+        """Pass-rate histories, and the prefetched batches in flight (waited for, so a resume trains on them)."""
+        state: dict[str, Any] = {"history": dict(self.history)}
+        if self.prefetch is not None:
+            state["prefetch"] = self.prefetch.state_dict()
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.history = dict(state.get("history") or {})
+        if self.prefetch is not None:
+            self.prefetch.load_state_dict(state.get("prefetch") or {})
 
     def close(self) -> None:
         if self.prefetch is not None:

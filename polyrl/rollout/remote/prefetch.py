@@ -10,13 +10,16 @@ trainer or the workers are (``async/staleness_max`` reports it). With k = 0 noth
 A prefetched batch is used only when the step asks for exactly the prompts and sampling parameters it was
 submitted with; otherwise (a dynamic-sampling refill drew extra prompts and moved the stream) it is dropped
 and the step samples with the current weights. Every sample is stamped with its policy version.
+
+A checkpoint holds the batches in flight (``state_dict`` waits for them): a resumed run trains on the samples the
+unbroken run would have, drawn with the same stale weights, so an interrupted asynchronous run resumes exactly.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from typing import Any
 
-from polyrl.rollout.episodes import Episode
 from polyrl.rollout.generator import Sample, SamplingParams
 from polyrl.rollout.remote.pool import Pending
 from polyrl.rollout.remote.runner import RemoteRunner
@@ -27,9 +30,9 @@ from polyrl.tasks.base import Prompt
 class _Request:
     prompt_ids: tuple[str, ...]
     params: SamplingParams
-    episodes: list[Episode]
-    pending: Pending
     version: int  # optimizer steps of the weights it is sampled with
+    pending: Pending | None = None  # the calls in flight, until ``samples`` are in
+    samples: list[Sample] | None = None  # the finished batch (waited for by a checkpoint, or restored from one)
 
 
 class Prefetch:
@@ -51,8 +54,8 @@ class Prefetch:
             raise ValueError(f"submit: step {step} with weights of version {version} breaks the staleness bound "
                              f"{self.staleness}")
         episodes = self.runner.new(prompts, params.n)
-        self._requests[step] = _Request(tuple(p.id for p in prompts), params, episodes,
-                                        self.runner.submit(episodes, params), version)
+        self._requests[step] = _Request(tuple(p.id for p in prompts), params, version,
+                                        pending=self.runner.submit(episodes, params))
 
     def result(self, step: int, prompts: list[Prompt], params: SamplingParams) -> list[Sample] | None:
         """The samples prefetched for ``step`` when they match ``prompts`` and ``params``, else None.
@@ -60,20 +63,47 @@ class Prefetch:
         Requests of earlier steps, and a mismatched one, are dropped (their calls cancelled).
         """
         for old in [s for s in self._requests if s < step]:
-            self.runner.pool.cancel(self._requests.pop(old).pending)
+            self._cancel(self._requests.pop(old))
         request = self._requests.pop(step, None)
         if request is None:
             return None
         if (request.prompt_ids, request.params) != (tuple(p.id for p in prompts), params):
-            self.runner.pool.cancel(request.pending)
+            self._cancel(request)
             return None
-        episodes = self.runner.pool.wait(request.pending)
-        samples = self.runner.to_samples(episodes, [i // params.n for i in range(len(episodes))])
+        samples = self._finished(request)
         for s in samples:
             s.policy_version = request.version
         return samples
 
+    def state_dict(self) -> dict[str, Any]:
+        """The batches in flight, each waited for: {"requests": [{step, prompt_ids, params, version, samples}]}."""
+        return {"requests": [{"step": step, "prompt_ids": list(r.prompt_ids), "params": asdict(r.params),
+                              "version": r.version, "samples": [asdict(s) for s in self._finished(r)]}
+                             for step, r in self._requests.items()]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the batches a checkpoint held, in place of any in flight here (one beyond the staleness bound is
+        dropped; a resume keeps the setting, so none is)."""
+        self.close()
+        for r in state.get("requests", []):
+            if 0 <= r["step"] - r["version"] <= self.staleness:
+                params = SamplingParams(**{**r["params"], "stop_token_ids": tuple(r["params"]["stop_token_ids"])})
+                self._requests[r["step"]] = _Request(tuple(r["prompt_ids"]), params, r["version"],
+                                                     samples=[Sample(**s) for s in r["samples"]])
+
     def close(self) -> None:
         for request in self._requests.values():
-            self.runner.pool.cancel(request.pending)
+            self._cancel(request)
         self._requests.clear()
+
+    def _finished(self, request: _Request) -> list[Sample]:
+        """The request's samples, waiting for its calls the first time."""
+        if request.samples is None:
+            episodes = self.runner.pool.wait(request.pending)
+            request.samples = self.runner.to_samples(episodes, [i // request.params.n for i in range(len(episodes))])
+            request.pending = None
+        return request.samples
+
+    def _cancel(self, request: _Request) -> None:
+        if request.pending is not None:
+            self.runner.pool.cancel(request.pending)
