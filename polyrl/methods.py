@@ -96,14 +96,16 @@ def rloo() -> Method:
 
 @preset
 def reinforce_pp() -> Method:
-    """REINFORCE++: token returns with k1 KL in the reward, global whitening, PPO clip (arXiv:2501.03262)."""
+    """REINFORCE++: token returns with k1 KL in the reward, global whitening, PPO clip (arXiv:2501.03262).
+    Token-mean aggregation, the frameworks' default [unverified]."""
     return build_method("reinforce_pp", paper="https://arxiv.org/abs/2501.03262", advantage="reinforce_pp",
               trust_region="clip", aggregation="token_mean", kl="k1", kl_coef=0.01, kl_placement="reward")
 
 
 @preset
 def reinforce_pp_baseline() -> Method:
-    """REINFORCE++-baseline: group-centred then globally whitened, k2 KL in the loss (arXiv:2501.03262)."""
+    """REINFORCE++-baseline: group-centred then globally whitened, k2 KL in the loss (arXiv:2501.03262).
+    Token-mean aggregation, the frameworks' default [unverified]."""
     return build_method("reinforce_pp_baseline", paper="https://arxiv.org/abs/2501.03262",
               advantage="reinforce_pp_baseline", trust_region="clip", aggregation="token_mean",
               kl="k2", kl_coef=1e-5)
@@ -111,7 +113,8 @@ def reinforce_pp_baseline() -> Method:
 
 @preset
 def maxrl() -> Method:
-    """MaxRL: advantages divided by the group mean (maximum-likelihood RL) (arXiv:2602.02710)."""
+    """MaxRL: advantages divided by the group mean (maximum-likelihood RL) (arXiv:2602.02710).
+    Seq-mean-token-sum, which the estimator's unbiasedness needs; the authors' aggregation [unverified]."""
     return build_method("maxrl", paper="https://arxiv.org/abs/2602.02710", advantage="maxrl", trust_region="clip",
               aggregation="seq_mean_token_sum")
 
@@ -136,7 +139,8 @@ def grpo() -> Method:
 
 @preset
 def dr_grpo() -> Method:
-    """Dr. GRPO: no std division, no 1/|y|, constant-horizon normalisation (arXiv:2503.20783)."""
+    """Dr. GRPO: no std division, no 1/|y|, constant-horizon normalisation (arXiv:2503.20783). Clip eps 0.2
+    [unverified]."""
     return build_method("dr_grpo", paper="https://arxiv.org/abs/2503.20783", advantage="group_centered",
               trust_region="clip", aggregation="seq_mean_token_sum_norm")
 
@@ -180,7 +184,8 @@ def ce_gppo() -> Method:
 
 @preset
 def pspo() -> Method:
-    """PSPO: probability smoothing toward pi_old instead of clipping (arXiv:2509.21282)."""
+    """PSPO: probability smoothing toward pi_old instead of clipping (arXiv:2509.21282). GRPO's
+    seq-mean-token-mean aggregation, assumed [unverified]."""
     return build_method("pspo", paper="https://arxiv.org/abs/2509.21282", advantage="grpo", trust_region="pspo",
               aggregation="seq_mean_token_mean")
 
@@ -241,14 +246,16 @@ def scalerl() -> Method:
 
 @preset
 def dppo_tv() -> Method:
-    """DPPO Binary-TV: mask tokens whose sampled-token probability moved more than delta (arXiv:2602.04879)."""
+    """DPPO Binary-TV: mask tokens whose sampled-token probability moved more than delta (arXiv:2602.04879).
+    GRPO group advantages [unverified: the script's estimator flag is not shown]."""
     return build_method("dppo_tv", paper="https://arxiv.org/abs/2602.04879", advantage="grpo",
               trust_region="dppo_tv", aggregation="token_mean", anchor="rollout")
 
 
 @preset
 def dppo_kl() -> Method:
-    """DPPO Binary-KL: mask tokens whose binary KL to the rollout policy exceeds delta (arXiv:2602.04879)."""
+    """DPPO Binary-KL: mask tokens whose binary KL to the rollout policy exceeds delta (arXiv:2602.04879).
+    GRPO group advantages [unverified: the script's estimator flag is not shown]."""
     return build_method("dppo_kl", paper="https://arxiv.org/abs/2602.04879", advantage="grpo",
               trust_region="dppo_kl", aggregation="token_mean", anchor="rollout")
 
@@ -279,7 +286,8 @@ def spo() -> Method:
 
 @preset
 def turn_ppo() -> Method:
-    """Turn-PPO: turn-level geometric-mean ratios in the PPO clip, token GAE (arXiv:2511.20718)."""
+    """Turn-PPO: turn-level geometric-mean ratios in the PPO clip, token GAE (arXiv:2511.20718). Token-mean
+    aggregation [unverified]."""
     return build_method("turn_ppo", paper="https://arxiv.org/abs/2511.20718", advantage="gae", ratio="turn",
               trust_region="clip", aggregation="token_mean")
 

@@ -235,8 +235,8 @@ def rl_step(cfg: TrainConfig, method: Method, state: TrainState, parts: Componen
     # 4. update: epochs x minibatches x micro-batches (polyrl.update) --------------------------------
     t_score = time.perf_counter()
     scored = Scored(tb=tb, mask=mask, adv=adv, group_ids=batch.group_ids, segment_ids=seg_ids, old_logp=old_logp,
-                    old_topk=None if old is None else old.topk_logp, ref_logp=ref_logp, values=values, returns=returns,
-                    sample_weight=batch.sample_weight)
+                    old_topk=None if old is None else old.topk_logp, old_topk_ids=None if old is None else old.topk_ids,
+                    ref_logp=ref_logp, values=values, returns=returns, sample_weight=batch.sample_weight)
     metrics = update_policy(learner, method, scored, state, epochs=cfg.epochs_per_batch, minibatches=cfg.minibatches,
                             micro_batch_size=cfg.micro_batch_size, micro_batch_tokens=cfg.speed.micro_batch_tokens,
                             skip_zero_adv=cfg.speed.skip_zero_adv,

@@ -40,11 +40,12 @@ class Scored:
     group_ids: Tensor  # [B]
     segment_ids: Tensor  # [B, T]
     old_logp: Tensor  # [B, T] filled in during the update when reuse_old
-    old_topk: Tensor | None
+    old_topk: Tensor | None  # [B, T, K] pi_old's log-probs at old_topk_ids
     ref_logp: Tensor | None
     values: Tensor | None = None  # critic values at the rollout weights (GAE presets)
     returns: Tensor | None = None
     sample_weight: Tensor | None = None  # [B] importance weight of each sequence's loss (None: all 1)
+    old_topk_ids: Tensor | None = None  # [B, T, K] pi_old's top-K ids, computed before the update (not reuse_old)
 
 
 class UpdateCounters(Protocol):
@@ -157,7 +158,9 @@ def update_policy(learner: Learner, method: Method, s: Scored, counters: UpdateC
                 batch, w = tb.rows(rows).trimmed() if micro_batch_tokens > 0 else (tb.rows(rows), T)
 
                 cut = functools.partial(_cut, rows, w)
-                cur = learner.logprobs(batch, grad=grad, topk=topk)
+                # pi_theta on pi_old's top-K support when that was computed before the update: after an optimizer step
+                # its own top-K ids differ, and the trust region compares the two distributions column by column
+                cur = learner.logprobs(batch, grad=grad, topk=topk, topk_ids=cut(s.old_topk_ids))
                 if reuse_old:
                     s.old_logp[rows, :w] = cur.logp.detach()
                     if cur.topk_logp is not None:
@@ -173,6 +176,8 @@ def update_policy(learner: Learner, method: Method, s: Scored, counters: UpdateC
                     entropy=cur.entropy if method.entropy_grad else cur.entropy.detach(),  # differentiated by a bonus
                     group_ids=s.group_ids[rows], group_tokens=group_tokens[micro],
                     segment_ids=cut(s.segment_ids), turn_ids=cut(tb.turn_ids), topk_ids=cur.topk_ids,
+                    # mu's top-K: the sampler records none; pi_old's is mu's where they share weights (a stale
+                    # sampler is refused for the trust regions that read it: tag "rollout_topk")
                     topk_logp=cur.topk_logp, old_topk_logp=old_topk, rollout_topk_logp=old_topk,
                     sample_weight=cut(s.sample_weight),
                 )

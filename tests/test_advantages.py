@@ -363,3 +363,12 @@ def test_a_group_of_equal_rewards_has_advantage_exactly_zero(name):
     got = ADVANTAGES.fn(name)(rewards, group_ids, torch.ones(16, 3, dtype=D), None, None)
     assert (got[:8] == 0).all(), got[:8]
     assert (got[8:] != 0).any()
+
+
+def test_maxrl_refuses_a_negative_reward_instead_of_zeroing_its_group():
+    """(r - mean) / mean is MaxRL's only for a pass rate: [1, -1, -1, -1] has mean -0.5, which the estimator used to
+    turn into four zero advantages without a word."""
+    from polyrl.errors import TrainingError
+
+    with pytest.raises(TrainingError, match="advantage 'maxrl' needs rewards >= 0.*got -1"):
+        adv("maxrl", [1.0, -1.0, -1.0, -1.0], [0, 0, 0, 0])

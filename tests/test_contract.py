@@ -76,6 +76,27 @@ def test_trust_region_shapes_metrics_and_masking(name):
 
 
 @pytest.mark.parametrize("name", TR_NAMES)
+def test_nan_at_padded_positions_reaches_neither_loss_nor_gradient(name):
+    """aggregation.py's promise, for the whole composition: a NaN log-prob or advantage where mask == 0 (a padded
+    pi_old, an unfilled slot) leaves the loss and every gradient, padded positions' included, finite."""
+    inp = make_inputs(seed=3)
+    out = policy_loss(inp, _method(name))
+    g1 = torch.autograd.grad(out.loss, inp.topk_logp, allow_unused=True)[0]
+    pad = inp.mask == 0
+    nan = lambda x: None if x is None else torch.where(pad, torch.full_like(x, float("nan")), x)  # noqa: E731
+    nan_k = lambda x: torch.where(pad[..., None], torch.full_like(x, float("nan")), x)  # noqa: E731
+    noisy = dataclasses.replace(inp, old_logp=nan(inp.old_logp), rollout_logp=nan(inp.rollout_logp),
+                                ref_logp=nan(inp.ref_logp), adv=nan(inp.adv), old_topk_logp=nan_k(inp.old_topk_logp),
+                                rollout_topk_logp=nan_k(inp.rollout_topk_logp))
+    out2 = policy_loss(noisy, _method(name))
+    torch.testing.assert_close(out2.loss, out.loss, rtol=1e-10, atol=1e-12)
+    g2 = torch.autograd.grad(out2.loss, noisy.topk_logp, allow_unused=True)[0]
+    if g1 is not None:
+        assert torch.isfinite(g2).all(), f"{name}: nan gradient at {(~torch.isfinite(g2)).nonzero().tolist()[:4]}"
+        torch.testing.assert_close(g2, g1, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("name", TR_NAMES)
 @pytest.mark.parametrize("extreme", [20.0, -20.0])
 def test_trust_region_gradients_finite_at_extreme_log_ratios(name, extreme):
     inp = make_inputs(seed=4)

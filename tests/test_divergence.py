@@ -202,10 +202,14 @@ def _random_batch(gen, B=6, T=12, spread=0.3):
     return p, q, adv, mask
 
 
-def test_cppo_reduces_to_dppo_binary_tv():
+@pytest.mark.parametrize("delta_b,dynamic", [(1e9, False), (float("inf"), False), (float("inf"), True)])
+def test_cppo_reduces_to_dppo_binary_tv(delta_b, dynamic):
+    """methods-seedblog 1(e): w_min = 1 and delta_b = +inf give DPPO Binary-TV exactly, c_1 == delta."""
     gen = torch.Generator().manual_seed(1)
     p, q, adv, mask = _random_batch(gen, B=20, T=16, spread=0.6)
-    keep = cppo_keep(p, q, adv, mask, delta=0.15, w_min=1.0, delta_b=1e9, dynamic_budget=False)
+    keep = cppo_keep(p, q, adv, mask, delta=0.15, w_min=1.0, delta_b=delta_b, dynamic_budget=dynamic)
+    assert torch.equal(cppo_thresholds(p, q, mask, delta=0.15, w_min=1.0, delta_b=delta_b,
+                                       dynamic_budget=dynamic)[1][:, 0], torch.full((20,), 0.15, dtype=D))
     ref = dppo_binary_tv_keep(p, q, adv, delta_low=0.15, delta_high=0.15) & (mask > 0)
     assert torch.equal(keep, ref) and (~ref & (mask > 0)).any()
 

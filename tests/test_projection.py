@@ -316,3 +316,52 @@ def test_troll_padding_and_metrics():
     assert 0.0 < m["proj_frac"].item() <= 1.0 and all(
         v.dim() == 0 and not v.requires_grad for v in m.values()
     )
+
+
+@pytest.mark.parametrize("preset,trust_region", [("troll", None), ("dppo_tv", "dppo_topk_tv")])
+def test_later_epochs_compare_the_policy_on_pi_olds_top_k_support(tiny_model, preset, trust_region):
+    """pi_old's top-K comes from before the update; after an optimizer step the policy's own top-K ids differ, so every
+    pass must evaluate the policy at pi_old's ids (the trust region compares the two column by column)."""
+    from types import SimpleNamespace
+
+    import polyrl.update as update
+    from polyrl.batch import TokenBatch
+    from polyrl.learner.local import LocalLearner
+    from polyrl.methods import get_method
+    from polyrl.model import load_policy
+    from polyrl.objectives import override
+
+    method = get_method(preset) if trust_region is None else override(get_method(preset), trust_region=trust_region)
+    torch.manual_seed(0)
+    model, _ = load_policy(tiny_model, threads=1)
+    learner = LocalLearner(model, lr=1e-2, weight_decay=0.0, warmup_steps=0, max_grad_norm=10.0, temperature=1.0,
+                           top_p=1.0, top_k=0, fp32_head=False, micro_batch_size=8)
+    g = torch.Generator().manual_seed(3)
+    B, P, T = 8, 4, 6
+    comp = torch.ones(B, T)
+    tb = TokenBatch(torch.randint(4, 30, (B, P + T), generator=g), torch.ones(B, P + T).long(), comp,
+                    -torch.rand(B, T, generator=g), comp.clone(), torch.zeros(B, T, dtype=torch.long))
+    old = learner.logprobs_nograd(tb, topk=4)
+    adv = torch.randn(B, generator=g)[:, None].expand(B, T).clone()
+    scored = update.Scored(tb=tb, mask=tb.loss_mask, adv=adv, group_ids=torch.arange(B) // 4,
+                           segment_ids=torch.zeros(B, T, dtype=torch.long), old_logp=old.logp.clone(),
+                           old_topk=old.topk_logp.clone(), old_topk_ids=old.topk_ids, ref_logp=None)
+    seen, loss = [], update.policy_loss
+
+    def spy(inp, m):
+        seen.append((inp.topk_ids.clone(), inp.topk_logp.detach().clone()))
+        return loss(inp, m)
+
+    update.policy_loss = spy
+    try:
+        update.update_policy(learner, method, scored, SimpleNamespace(bad_steps=0, skipped_total=0),
+                             epochs=3, minibatches=1, micro_batch_size=8, horizon=T, topk=4, reuse_old=False, seed=0,
+                             max_bad_steps=5)
+    finally:
+        update.policy_loss = loss
+    assert len(seen) == 3
+    for ids, _ in seen:
+        assert torch.equal(ids, old.topk_ids)
+    # the policy moved: its log-probs at those ids changed after the first optimizer step, and its own top-K did too
+    assert not torch.allclose(seen[2][1], old.topk_logp)
+    assert not torch.equal(learner.logprobs_nograd(tb, topk=4).topk_ids, old.topk_ids)

@@ -100,6 +100,8 @@ def test_bad_rollout_settings_are_one_line_errors(models, tmp_path, capsys):
              (["--agency", str(tmp_path / "none")], "agency = "),
              (["--agency", models[1], "--agency-schedule", "cosine:steps=3"], "agency_schedule = 'cosine:steps=3'"),
              (["--async-staleness", "1", "--sampler", "tree"], "async_staleness = 1"),
+             (["--async-staleness", "1", "--method", "dppo_tv", "--trust-region", "dppo_topk_kl"],
+              "async_staleness = 1 is not allowed with trust region 'dppo_topk_kl'"),
              (["--tree-candidates", "4"], "tree_candidates = 4.0 is not allowed; only applies with sampler = 'tree'"),
              (["--sampler", "tree", "--tree-predictor", "likelihood", "--task", "countdown"],
               "tree_predictor = 'likelihood' is not allowed with task = 'countdown'"),

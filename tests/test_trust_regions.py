@@ -222,6 +222,13 @@ def test_spo_objective_peaks_at_boundary():
 # ------------------------------------------------------------------------------------------- humanline
 
 
+def test_humanline_clips_at_halos_eps_by_default():
+    """HALOs' grpo.yaml: eps 0.01 -- at rho = 1.05 with A = 1 the PPO clip has already cut the surrogate's gradient."""
+    assert grad_at("humanline", 1.05, 1.0) == 0.0
+    assert grad_at("humanline", 1.005, 1.0) != 0.0
+    assert grad_at("clip", 1.05, 1.0) != 0.0  # clip's own default (0.2) keeps it
+
+
 def test_humanline_band_kills_both_signs():
     for adv in (1.0, -1.0):
         _, g, m = run("humanline", make([2.0], [adv]))
@@ -234,8 +241,8 @@ def test_humanline_band_kills_both_signs():
 def test_humanline_inside_band_equals_clip():
     lrs = [-0.9, -0.3, 0.0, 0.1, 0.5, 1.4]
     for adv in (0.7, -0.7):
-        a, ga, m = run("humanline", make(lrs, [adv]), eps_high=0.28)
-        b, gb, _ = run("clip", make(lrs, [adv]), eps_high=0.28)
+        a, ga, m = run("humanline", make(lrs, [adv]), eps_low=0.2, eps_high=0.28)
+        b, gb, _ = run("clip", make(lrs, [adv]), eps_low=0.2, eps_high=0.28)
         assert close(a, b) and close(ga, gb) and m["band_frac"].item() == 0.0
 
 

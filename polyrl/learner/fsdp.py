@@ -126,11 +126,12 @@ class FSDPLearner:
         return pdist.all_sum(values)
 
     # scoring --------------------------------------------------------------------------------------------------
-    def _forward(self, model: nn.Module, batch: TokenBatch, topk: int) -> TokenLogprobs:
+    def _forward(self, model: nn.Module, batch: TokenBatch, topk: int, topk_ids: Tensor | None = None) -> TokenLogprobs:
         """(logp, entropy, topk_ids, topk_logp) of ``batch`` on the CPU, computed on this rank's device."""
         b = batch.to(self.device)
+        ids = None if topk_ids is None else topk_ids.to(self.device)
         parts = getattr(model, SCORE)(b.input_ids, b.attention_mask, b.completion_mask, fp32_head=self.fp32_head,
-                                      topk=topk, **self.sampling)
+                                      topk=0 if ids is not None else topk, topk_ids=ids, **self.sampling)
         return TokenLogprobs(*parts).cpu()  # differentiable: backward flows to this rank's device
 
     def _critic(self, batch: TokenBatch) -> Tensor:
@@ -140,12 +141,13 @@ class FSDPLearner:
             warnings.filterwarnings("ignore", message=".*returned a view tensor", category=UserWarning)
             return self.critic(batch.to(self.device)).cpu()
 
-    def logprobs(self, batch: TokenBatch, *, grad: bool, topk: int = 0) -> TokenLogprobs:
-        """Log-probs, entropy (and top-K) of this rank's rows (``update_policy`` gives each rank its micro-batches); in
-        train mode with or without ``grad``, as ``LocalLearner.logprobs``."""
+    def logprobs(self, batch: TokenBatch, *, grad: bool, topk: int = 0, topk_ids: Tensor | None = None
+                 ) -> TokenLogprobs:
+        """Log-probs, entropy (and top-K, or the log-probs at ``topk_ids``) of this rank's rows (``update_policy`` gives
+        each rank its micro-batches); in train mode with or without ``grad``, as ``LocalLearner.logprobs``."""
         self.model.train()
         with torch.set_grad_enabled(grad):
-            out = self._forward(self.model, batch, topk)
+            out = self._forward(self.model, batch, topk, topk_ids)
         if not grad:  # FSDP2 leaves the root's parameters gathered for the backward it expects; with none to come,
             self.model.reshard()  # ``step()`` would clip the unsharded ones, which hold no gradient
         return out

@@ -101,7 +101,8 @@ def answer_likelihood(learner: LocalLearner, generator, max_new_tokens: int) -> 
 class Learner(Protocol):
     """What the training loop needs from a model backend: nothing outside a learner touches a model or optimizer."""
 
-    def logprobs(self, batch: TokenBatch, *, grad: bool, topk: int = 0) -> TokenLogprobs: ...
+    def logprobs(self, batch: TokenBatch, *, grad: bool, topk: int = 0,
+                 topk_ids: Tensor | None = None) -> TokenLogprobs: ...  # topk_ids [B, T, K]: log-probs at these ids
     def logprobs_nograd(self, batch: TokenBatch, *, topk: int = 0) -> TokenLogprobs: ...
     def ref_logprobs(self, batch: TokenBatch, samples: list[Sample]) -> Tensor | None: ...  # None: no reference
     def values(self, batch: TokenBatch) -> Tensor | None: ...  # critic values [B, T]; None: no critic
@@ -188,14 +189,19 @@ class LocalLearner:
         self.fp32_head = fp32_head
         self.micro_batch_size = micro_batch_size
 
-    def logprobs(self, batch: TokenBatch, *, grad: bool, topk: int = 0) -> TokenLogprobs:
-        """Log-probs, entropy (and top-K) of the completion tokens under the sampling distribution. Train mode with or
-        without ``grad``: the update's forward-only passes (zero-advantage rows) see the model its other passes see."""
+    def logprobs(self, batch: TokenBatch, *, grad: bool, topk: int = 0, topk_ids: Tensor | None = None
+                 ) -> TokenLogprobs:
+        """Log-probs, entropy (and top-K) of the completion tokens under the sampling distribution; with ``topk_ids``
+        [B, T, K] the log-probs at those ids instead of this model's own top-K (pi_old's support in a later epoch).
+        Train mode with or without ``grad``: the update's forward-only passes (zero-advantage rows) see the model its
+        other passes see."""
         self.model.train()
         b = batch.to(self.device)
+        ids = None if topk_ids is None else topk_ids.to(self.device)
         with torch.set_grad_enabled(grad):
             return completion_logprobs(self.model, b.input_ids, b.attention_mask, b.completion_mask,
-                                       fp32_head=self.fp32_head, topk=topk, **self.sampling).cpu()
+                                       fp32_head=self.fp32_head, topk=0 if ids is not None else topk, topk_ids=ids,
+                                       **self.sampling).cpu()
 
     def logprobs_nograd(self, batch: TokenBatch, *, topk: int = 0, model: nn.Module | None = None) -> TokenLogprobs:
         """The same without gradient and micro-batched, for the policy or another model (the reference)."""

@@ -26,6 +26,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from polyrl.errors import TrainingError
 from polyrl.registry import ADVANTAGES
 
 
@@ -163,9 +164,14 @@ def maxrl(
     """Mean-scaled advantage (MaxRL): A_i = (r_i - mean_g r) / (mean_g r + eps); 0 if mean_g r == 0. [B].
 
     For binary rewards with K successes of N: N/K - 1 for successes, -1 for failures; (1/N) sum_i A_i S_i
-    equals sum_i (r_i/K - 1/N) S_i (the paper's control-variate estimator). Assumes rewards >= 0.
+    equals sum_i (r_i/K - 1/N) S_i (the paper's control-variate estimator). Needs rewards >= 0 (a pass rate): a
+    negative one is refused (TrainingError) rather than silently zeroing its group, whose mean may then be <= 0.
     """
     r = _seq_rewards(rewards, mask, token_rewards)
+    if bool((r < 0).any()):
+        raise TrainingError(f"advantage 'maxrl' needs rewards >= 0 (it divides by the group's mean, a pass rate); "
+                            f"got {float(r.min()):g}: use a reward in [0, 1] without negative shaping, or another "
+                            "advantage (grpo)")
     n, mean, _ = _group_stats(r, group_ids)
     adv = torch.where(mean == 0, torch.zeros_like(r), _div(r - mean, mean + eps))
     return torch.where(n > 1, adv, torch.zeros_like(r))

@@ -6,7 +6,10 @@ With the presets' token ratio anchored to the rollout policy (Method.anchor = "r
 the DPPO, CPPO and DRPO papers ask; anchoring to pi_old gives the papers' "recompute" ablation. The
 top-K variants compare the (K+1)-bucket distributions (K columns + "rest" = 1 - sum) of
 inp.topk_logp (pi_theta) and inp.rollout_topk_logp (mu) whatever the anchor, and take the direction
-(p > q or p < q) from column 0 of those same tensors (the sampled token). Masks and budgets are
+(p > q or p < q) from column 0 of those same tensors (the sampled token). The trainer's sampler records only the
+sampled token's log-prob, so the loop passes pi_old's top-K as mu's (tag "rollout_topk"): mu itself when the sampler
+is the policy at the step's weights; with a stale or other sampler (--async-staleness, vLLM) that would be the
+recompute ablation, so those runs are refused. Masks and budgets are
 computed without gradient in float32 or wider; the gradient flows only through r.
 """
 
@@ -150,7 +153,8 @@ def _topk(
     return _masked_surrogate(inp, log_ratio, _direction_keep(inp.adv, div, p, q, dl, dh), c)
 
 
-@TRUST_REGIONS.register("dppo_topk_tv", **{**_DPPO, "tags": ("vanilla_at_one", "zero_adv_inert", "needs_topk")})
+@TRUST_REGIONS.register("dppo_topk_tv", **{**_DPPO, "tags": ("vanilla_at_one", "zero_adv_inert", "needs_topk",
+                                                                   "rollout_topk")})
 def dppo_topk_tv(
     inp: LossInputs,
     log_ratio: Tensor,
@@ -167,7 +171,8 @@ def dppo_topk_tv(
     return _topk(inp, log_ratio, "tv", delta_low, delta_high, trunc_c)
 
 
-@TRUST_REGIONS.register("dppo_topk_kl", **{**_DPPO, "tags": ("vanilla_at_one", "zero_adv_inert", "needs_topk")})
+@TRUST_REGIONS.register("dppo_topk_kl", **{**_DPPO, "tags": ("vanilla_at_one", "zero_adv_inert", "needs_topk",
+                                                                   "rollout_topk")})
 def dppo_topk_kl(
     inp: LossInputs,
     log_ratio: Tensor,
@@ -212,7 +217,8 @@ def cppo_thresholds(
         budget = _row_quantile(d, valid, 0.9).clamp(delta_b, 2.0 * delta_b)[:, None]
     else:
         budget = torch.full_like(n, delta_b)
-    c = (delta + budget * w_prev - s_prev).clamp_max(delta)
+    allowance = torch.where(w_prev > 0, budget * w_prev, torch.zeros_like(w_prev))  # inf * 0 at t = 1 would be nan
+    c = (delta + allowance - s_prev).clamp_max(delta)
     return z, torch.where(valid, c, torch.zeros_like(c))
 
 
