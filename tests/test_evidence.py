@@ -10,7 +10,7 @@ import pytest
 
 from polyrl.lab.claim_types import Budget
 from polyrl.lab.claims import CLAIMS, arm_key
-from polyrl.lab.evidence import render_markdown, run_evidence
+from polyrl.lab.evidence import decision_dict, render_markdown, run_evidence
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "docs" / "evidence" / "results.json"
@@ -65,6 +65,8 @@ def test_doc_matches_committed_results():
         pytest.skip("docs/evidence/results.json not generated yet (polyrl evidence --budget full)")
     results = json.loads(RESULTS.read_text())
     assert (ROOT / "docs" / "evidence.md").read_text() == render_markdown(results, CLAIMS)
+    for cid, c in results["claims"].items():  # the committed verdicts are the rule's, decided from their samples
+        assert decision_dict(CLAIMS[cid].decide(c["samples"])) == json.loads(json.dumps(c["decision"])), cid
     assert results["budget"] == "full"
     for cid, c in results["claims"].items():
         assert c["budget"]["seeds"] >= (5 if CLAIMS[cid].stability else 1), cid
@@ -111,10 +113,18 @@ def test_cli_refuses_bad_workers_and_ignored_options_in_one_line(argv, fragment,
 
 
 def test_cli_list_takes_claims_and_report_only_reports_every_claim(tmp_path, capsys):
+    """--report-only decides each claim again from its samples: a report after a change of the rule states the
+    rule's verdict, not the one saved with the results."""
     assert _evidence(capsys, "--list", "--claims", "dapo_clip_higher")[0] == 0
-    (tmp_path / "results.json").write_text(json.dumps(_results("holds", None)))
+    results = _results("holds", None)
+    claim = results["claims"]["dapo_clip_higher"]
+    claim["samples"] = {"arms": {arm: {"entropy_last_quarter": [0.5, 0.52, 0.49], "final_accuracy": [0.6, 0.6, 0.6]}
+                                 for arm in ("clip_higher", "symmetric")}, "curves": {}, "wall_seconds": 1.0}
+    claim["samples"]["arms"]["clip_higher"]["entropy_last_quarter"] = [0.9, 1.3, 0.5]  # +0.4, +0.78, +0.01
+    (tmp_path / "results.json").write_text(json.dumps(results))
     assert _evidence(capsys, "--report-only", "--out", str(tmp_path))[0] == 0
-    assert "## dapo_clip_higher" in (tmp_path / "evidence.md").read_text()
+    md = (tmp_path / "evidence.md").read_text()
+    assert "## dapo_clip_higher" in md and "**Verdict: inconclusive.**" in md and "the rule's sentence" not in md
 
 
 @pytest.mark.parametrize("held, argv, fragment", [

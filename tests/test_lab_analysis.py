@@ -260,6 +260,9 @@ def test_sigmoid_fit_failures_return_a_reason():
     assert fit is None and "no gain" in reason
     fit, reason = fit_sigmoid(c, np.full(10, 0.9), r0=1.0)
     assert fit is None and "upper bound" in reason
+    for far_below in (-0.5, -5.0):  # a reward curve (no upper bound) below R0, near it or far: the same reason
+        fit, reason = fit_sigmoid(c, np.full(10, far_below), r0=0.0, a_max=None)
+        assert fit is None and "no gain" in reason, reason
     fit, reason = fit_sigmoid(c, np.full(10, np.nan), r0=0.2)
     assert fit is None and reason
 
@@ -353,3 +356,18 @@ def test_ranking_ties_broken_by_area_under_curve():
     assert res["ranking"][0]["auc"] == pytest.approx((0.4 * 10 + 0.6 * 10) / 20)
     assert res["ranking"][1]["auc"] == pytest.approx((0.25 * 10 + 0.45 * 10) / 20)
     assert math.isclose(res["ranking"][0]["final_mean"], res["ranking"][1]["final_mean"])
+
+
+def test_read_rows_keeps_the_step_a_guard_rolled_back_to(tmp_path):
+    """trainer.py logs {guard/rollbacks, guard/lr} at the restored step s after a rollback: steps after s are redone,
+    but step s's own row (its rollouts, its evaluation) belongs to the kept history."""
+    path = tmp_path / "metrics.jsonl"
+    rows = [{"step": s, "rollout/generated": 10, "reward/mean": s} for s in range(1, 6)]
+    rows[3]["eval/accuracy"] = 0.6  # step 4, the checkpoint
+    rows.append({"step": 4, "guard/rollbacks": 1, "guard/lr": 5e-4})
+    rows += [{"step": s, "rollout/generated": 10, "reward/mean": -s} for s in (5, 6)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    got = read_rows(path)
+    assert [(r["step"], r.get("reward/mean")) for r in got] == [(1, 1), (2, 2), (3, 3), (4, 4), (4, None), (5, -5),
+                                                                  (6, -6)]
+    assert got[3]["eval/accuracy"] == 0.6 and sum(r.get("rollout/generated", 0) for r in got) == 60

@@ -119,7 +119,9 @@ def _read_json(path: Path) -> dict[str, Any] | None:
 
 def read_rows(path: str | Path) -> list[dict[str, Any]]:
     """Rows of a metrics.jsonl: malformed lines and rows without an integer step are skipped; rows a resumed
-    run logged again replace the earlier ones (see the module docstring)."""
+    run logged again replace the earlier ones (see the module docstring). A collapse guard's rollback to step s logs
+    a row of guard/* alone at s: the steps after s are redone, and the row of step s itself (logged before its
+    checkpoint) stays."""
     rows: list[dict[str, Any]] = []
     for line in Path(path).read_text().splitlines():
         try:
@@ -129,7 +131,8 @@ def read_rows(path: str | Path) -> list[dict[str, Any]]:
         if not isinstance(row, dict) or isinstance(row.get("step"), bool) or not isinstance(row.get("step"), int):
             continue
         if rows and row["step"] < rows[-1]["step"]:
-            rows = [r for r in rows if r["step"] < row["step"]]
+            rollback = all(k == "step" or k.startswith("guard/") for k in row)
+            rows = [r for r in rows if r["step"] < row["step"] or (rollback and r["step"] == row["step"])]
         rows.append(row)
     return rows
 

@@ -70,6 +70,15 @@ def run_evidence(ids: list[str], budget: str | Budget, *, workers: int, out: Pat
     return results
 
 
+def redecide(results: dict[str, Any], registry: dict[str, Claim]) -> dict[str, Any]:
+    """Each claim's decision made again from its saved samples (a verdict is a function of them), so a report after a
+    change of the rule states the rule's verdicts without running a claim again."""
+    for cid, c in results["claims"].items():
+        if cid in registry:
+            c["decision"] = decision_dict(registry[cid].decide(c["samples"]))
+    return results
+
+
 def _f(x: Any) -> str:
     if x is None or (isinstance(x, float) and not math.isfinite(x)):
         return "-"
@@ -293,7 +302,7 @@ def cli_main(args: Any, console: Any) -> int:
     if args.report_only:
         if not (out / "results.json").exists():
             raise ConfigError(f"out = {out}: no results.json to report from; run without --report-only first")
-        results = read_results(out / "results.json")
+        results = redecide(read_results(out / "results.json"), CLAIMS)
     else:
         from rich.progress import Progress
 

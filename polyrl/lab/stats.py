@@ -56,7 +56,7 @@ def fit_sigmoid(
     scale = float(np.median(c))
     x = c / scale
     eps = 1e-9 * max(1.0, abs(r0))
-    a0 = float(np.clip(r.max(), r0 + eps, hi - eps if math.isfinite(hi) else r.max() + 1.0))
+    a0 = max(r0 + eps, min(float(r.max()), hi - eps))  # a start inside the bounds, even for a curve far below R0
     p0 = [a0, 1.0, 1.0]
     lower = [r0, 1e-6, 1e-9]
     upper = [hi, np.inf, np.inf]

@@ -1,9 +1,12 @@
 """Effects with intervals and THE verdict rule of the evidence report (issue 22); numpy/scipy only.
 
 An Effect is signed so that positive = the claimed direction. Intervals are two-sided at ``level``
-(default 0.9). Bootstrap intervals are percentile intervals of 2000 seeded resamples (small-sample
-percentile bootstraps under-cover; with 5 seeds treat them as optimistic). An interval needs two
-seeds per arm: with fewer, lo and hi are NaN and ``decide`` says "inconclusive".
+(default 0.9). Differences and ratios of per-seed means get Student-t intervals (Welch's for two independent arms,
+the delta method's standard error for a ratio): with the 2-5 seeds a claim's budget runs, a percentile bootstrap of
+the seeds covers far less than ``level`` (simulated with no effect and normal noise, a 90 % bootstrap interval
+excluded 0 in 49 % of 2-seed and 24 % of 5-seed cases; the t interval in 10 %). An interval needs two seeds per arm:
+with fewer, lo and hi are NaN and ``decide`` says "inconclusive". Seeds that agree exactly (a deterministic quantity,
+such as a compute ratio) give the point interval [estimate, estimate].
 
 ``sd`` is per-arm: ``seeds_needed``'s formula n = ((z_a + z_b) * sd / delta)^2 then gives seeds per arm
 (paired: sd of the per-seed difference; unpaired: sqrt(sd_a^2 + sd_b^2); rates: sqrt(2 p(1 - p)) at the
@@ -18,11 +21,8 @@ from typing import Any, Literal
 
 import numpy as np
 
-from polyrl.lab.stats import bootstrap_ci
-
 Verdict = Literal["holds", "holds partly", "does not hold at this scale", "inconclusive"]
 
-N_BOOT = 2000
 _TINY = 1e-12
 
 
@@ -66,26 +66,24 @@ def _z(level: float) -> float:
     return float(norm.ppf((1.0 + level) / 2.0))
 
 
-def _two_sample_boot(a: np.ndarray, b: np.ndarray, stat, *, level: float, seed: int) -> tuple[float, float]:
-    """Percentile interval of stat(mean_a*, mean_b*) over N_BOOT resamples of each arm (independent, seeded)."""
-    rng = np.random.default_rng(seed)
-    ma = a[rng.integers(0, a.size, size=(N_BOOT, a.size))].mean(axis=1)
-    mb = b[rng.integers(0, b.size, size=(N_BOOT, b.size))].mean(axis=1)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        vals = stat(ma, mb)
-    vals = vals[np.isfinite(vals)]
-    if vals.size == 0:
+def _t_interval(estimate: float, se: float, df: float, level: float) -> tuple[float, float]:
+    """estimate -+ t_{(1+level)/2, df} se; NaN for a non-finite standard error, the point for se = 0."""
+    from scipy.stats import t
+
+    if not (math.isfinite(se) and math.isfinite(estimate) and df > 0):
         return math.nan, math.nan
-    lo, hi = np.quantile(vals, [(1 - level) / 2, 1 - (1 - level) / 2])
-    return float(lo), float(hi)
+    if se == 0:
+        return estimate, estimate
+    half = float(t.ppf((1.0 + level) / 2.0, df)) * se
+    return estimate - half, estimate + half
 
 
 def paired_difference(a, b, *, name: str, direction: int = +1, level: float = 0.9, seed: int = 0) -> Effect:
-    """Mean per-seed difference d_i = direction * (b_i - a_i) with a percentile bootstrap interval.
+    """Mean per-seed difference d_i = direction * (b_i - a_i) with a Student-t interval.
 
-    a, b: per-seed values of the baseline and the new arm, seed i in both. Interval: 2000 seeded
-    resamples of the d_i (``polyrl.lab.stats.bootstrap_ci``); sd = sample sd of d (ddof 1). Fewer than
-    two seeds: lo = hi = NaN, sd None. Raises ValueError if the lengths differ or are 0.
+    a, b: per-seed values of the baseline and the new arm, seed i in both. Interval: mean(d) -+ t_{n-1} sd / sqrt(n),
+    sd = sample sd of d (ddof 1). Fewer than two seeds: lo = hi = NaN, sd None. ``seed``
+    is unused (kept for callers; the interval draws nothing). Raises ValueError if the lengths differ or are 0.
     """
     _check_level(level)
     _check_direction(direction)
@@ -98,16 +96,17 @@ def paired_difference(a, b, *, name: str, direction: int = +1, level: float = 0.
     est = float(d.mean())
     if d.size < 2:
         return Effect(name, est, math.nan, math.nan, level, int(d.size), None)
-    lo, hi = bootstrap_ci(d, level=level, n_boot=N_BOOT, seed=seed)
-    return Effect(name, est, lo, hi, level, int(d.size), float(d.std(ddof=1)))
+    sd = float(d.std(ddof=1))
+    lo, hi = _t_interval(est, sd / math.sqrt(d.size), d.size - 1, level)
+    return Effect(name, est, lo, hi, level, int(d.size), sd)
 
 
 def unpaired_difference(a, b, *, name: str, direction: int = +1, level: float = 0.9, seed: int = 0) -> Effect:
-    """direction * (mean(b) - mean(a)) with a percentile bootstrap interval (arms resampled independently).
+    """direction * (mean(b) - mean(a)) with Welch's t interval (arms independent).
 
-    2000 seeded resamples; n = the smaller arm; sd = sqrt(sd_a^2 + sd_b^2) (ddof 1), the sd of one
-    draw from b minus one from a, so ``seeds_needed`` gives seeds per arm. An arm with fewer than two
-    values: lo = hi = NaN, sd None.
+    se = sqrt(sd_a^2 / n_a + sd_b^2 / n_b), Welch-Satterthwaite degrees of freedom; n = the smaller arm; sd =
+    sqrt(sd_a^2 + sd_b^2) (ddof 1), the sd of one draw from b minus one from a, so ``seeds_needed`` gives seeds per
+    arm. An arm with fewer than two values: lo = hi = NaN, sd None.
     """
     _check_level(level)
     _check_direction(direction)
@@ -118,7 +117,9 @@ def unpaired_difference(a, b, *, name: str, direction: int = +1, level: float = 
     n = int(min(a.size, b.size))
     if n < 2:
         return Effect(name, est, math.nan, math.nan, level, n, None)
-    lo, hi = _two_sample_boot(a, b, lambda ma, mb: direction * (mb - ma), level=level, seed=seed)
+    va, vb = a.var(ddof=1) / a.size, b.var(ddof=1) / b.size
+    df = (va + vb) ** 2 / (va**2 / (a.size - 1) + vb**2 / (b.size - 1)) if va + vb > 0 else 1.0
+    lo, hi = _t_interval(est, math.sqrt(va + vb), df, level)
     sd = float(math.sqrt(a.var(ddof=1) + b.var(ddof=1)))
     return Effect(name, est, lo, hi, level, n, sd)
 
@@ -189,23 +190,25 @@ def _censored(values, censor: float | None, arm: str) -> tuple[np.ndarray, int]:
 
 
 def ratio_of_means(a, b, *, name: str, level: float = 0.9, seed: int = 0, censor: float | None = None) -> Effect:
-    """1 - mean(b) / mean(a) (positive = b needs fewer steps than a), percentile bootstrap interval.
+    """1 - mean(b) / mean(a) (positive = b needs fewer steps than a), with a t interval on the delta method.
 
     For steps-to-threshold: a run that never reached the threshold (None, NaN or inf) counts as ``censor``
     (e.g. steps + 1; required when any run is censored). Censoring makes the estimate conservative for
-    the arm with more censored runs; the counts are appended to ``name``. Arms resampled independently,
-    2000 seeded resamples (resamples with mean(a*) = 0 are dropped). sd by the delta method,
-    sqrt(sd_b^2 + r^2 sd_a^2) / mean(a) with r = mean(b) / mean(a). Raises ValueError if mean(a) <= 0.
+    the arm with more censored runs; the counts are appended to ``name``. Interval: estimate -+ t_{n-1} se with
+    se = sqrt(sd_b^2 / n_b + r^2 sd_a^2 / n_a) / mean(a), r = mean(b) / mean(a), n = the smaller arm; sd (per arm,
+    for ``seeds_needed``) = sqrt(sd_b^2 + r^2 sd_a^2) / mean(a). mean(a) <= 0 (every baseline run at its threshold
+    from the start) has no ratio: NaN estimate and interval, so ``decide`` says "inconclusive".
     """
     _check_level(level)
     a, ca = _censored(a, censor, "a")
     b, cb = _censored(b, censor, "b")
     if a.size == 0 or b.size == 0:
         raise ValueError(f"ratio_of_means needs values in both arms, got {a.size} and {b.size}")
-    if a.mean() <= 0:
-        raise ValueError(f"ratio_of_means needs mean(a) > 0, got {a.mean()}")
-    r = b.mean() / a.mean()
     label = name
+    if a.mean() <= 0:
+        return Effect(f"{name} (the baseline's mean is {_fmt(float(a.mean()))}: no ratio)", math.nan, math.nan,
+                      math.nan, level, int(min(a.size, b.size)), None)
+    r = b.mean() / a.mean()
     if ca or cb:
         label = (
             f"{name} ({ca} of {a.size} runs in a and {cb} of {b.size} in b never reached the threshold, "
@@ -214,7 +217,8 @@ def ratio_of_means(a, b, *, name: str, level: float = 0.9, seed: int = 0, censor
     n = int(min(a.size, b.size))
     if n < 2:
         return Effect(label, float(1 - r), math.nan, math.nan, level, n, None)
-    lo, hi = _two_sample_boot(a, b, lambda ma, mb: 1.0 - mb / np.where(ma > 0, ma, np.nan), level=level, seed=seed)
+    se = math.sqrt(b.var(ddof=1) / b.size + r * r * a.var(ddof=1) / a.size) / a.mean()
+    lo, hi = _t_interval(float(1 - r), se, n - 1, level)
     sd = math.sqrt(b.var(ddof=1) + r * r * a.var(ddof=1)) / a.mean()
     return Effect(label, float(1 - r), lo, hi, level, n, float(sd))
 
