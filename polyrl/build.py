@@ -106,7 +106,6 @@ def resolve_train(args: argparse.Namespace, *, claim: Callable[[str], None] | No
 
     ``claim(run_dir)`` is called once the run directory is known, before anything reads or changes it (the
     command's hold on it: ``runs.run_lock``)."""
-    from polyrl.checkpoint import latest_checkpoint
     from polyrl.config import build_config, load_toml, validate
     from polyrl.runs import absolute_paths
     from polyrl.tasks import get_task
