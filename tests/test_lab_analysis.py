@@ -298,8 +298,9 @@ def test_curves_align_steps_and_interpolate_compute(tmp_path):
     assert acc["tokens"]["x"] == pytest.approx([0, 400, 800])
     assert acc["tokens"]["mean"] == pytest.approx([0.25, (0.4 + 0.5) / 2, 0.6])
     assert acc["tokens"]["n"] == [2, 2, 1]
-    assert acc["rollouts"]["x"] == pytest.approx([0, 80, 160]) and acc["rollouts"]["n"] == [2, 1, 1]
-    assert acc["rollouts"]["mean"] == pytest.approx([0.25, 0.4, 0.6])
+    # rollouts: seed1 ends at 40, a point of its own (seed0 interpolated there: 0.3)
+    assert acc["rollouts"]["x"] == pytest.approx([0, 40, 80, 160]) and acc["rollouts"]["n"] == [2, 2, 1, 1]
+    assert acc["rollouts"]["mean"] == pytest.approx([0.25, (0.3 + 0.5) / 2, 0.4, 0.6])
     reward = curves["reward/mean"]["steps"]
     assert reward["x"][0] == 1 and reward["n"][:5] == [2] * 5 and reward["n"][5:] == [1] * 15
 
@@ -371,3 +372,15 @@ def test_read_rows_keeps_the_step_a_guard_rolled_back_to(tmp_path):
     assert [(r["step"], r.get("reward/mean")) for r in got] == [(1, 1), (2, 2), (3, 3), (4, 4), (4, None), (5, -5),
                                                                   (6, -6)]
     assert got[3]["eval/accuracy"] == 0.6 and sum(r.get("rollout/generated", 0) for r in got) == 60
+
+
+def test_an_interpolated_curve_ends_where_each_seed_ends():
+    """On a tokens axis seeds end at different x: each one's last value is a point of the curve (a grid of evenly
+    spaced x alone left seed 1's final evaluation out, its last shared point two-thirds of the way)."""
+    from polyrl.lab.stats import curve
+
+    seeds = [(np.array([0.0, 929.0, 1859.0, 2788.0]), np.array([0.1, 0.2, 0.3, 0.5])),
+             (np.array([0.0, 900.0, 1800.0, 2769.0]), np.array([0.1, 0.2, 0.3, 0.4375]))]
+    out = curve(seeds, True, {"level": 0.9, "n_boot": 200, "seed": 0})
+    end = out["x"].index(2769.0)
+    assert out["n"][end] == 2 and out["mean"][end] == pytest.approx((0.4375 + 0.3 + 0.2 * (2769 - 1859) / 929) / 2)

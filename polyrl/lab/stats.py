@@ -126,6 +126,7 @@ def curve(per_seed: list[tuple[np.ndarray, np.ndarray]], interpolate: bool, ci: 
         lo_x, hi_x = min(float(x[0]) for x, _ in per_seed), max(float(x[-1]) for x, _ in per_seed)
         size = min(grid_max, max(x.size for x, _ in per_seed))
         grid = np.linspace(lo_x, hi_x, max(size, 2)) if hi_x > lo_x else np.array([lo_x])
+        grid = np.unique(np.concatenate([grid, [float(x[-1]) for x, _ in per_seed]]))  # every seed's own end
         cols = [np.where((grid >= x[0]) & (grid <= x[-1]), np.interp(grid, x, y), np.nan) for x, y in per_seed]
     else:
         grid = np.unique(np.concatenate([x for x, _ in per_seed]))
