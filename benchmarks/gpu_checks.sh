@@ -17,10 +17,15 @@
 #   vs_trl_size   benchmarks/vs_trl.py scaling --device cuda: polyrl vs TRL on the GPU at 128 natural tokens on a
 #                 768 x 12 tiny Llama (113M parameters)
 #   vs_trl_demo   the same at the demo settings
+#   tune_tokens   polyrl alone (vs_trl.py switch --device cuda) at that 113M point, micro_batch_tokens 4096 (the CPU's
+#                 default: 3 passes there) against 16384 (one pass); OUTDIR/tune_tokens.json
+#   tune_share    the same, share_prompts on against off (two passes per layer against one on a GPU)
+#   tune_share_demo   share_prompts on against off at the demo settings
 set -u
 OUT=${1:?usage: benchmarks/gpu_checks.sh OUTDIR [STEP ...]}
 shift
-STEPS=${*:-env gpu_tests demo_gpu resume_cpu demo_nccl paths vs_trl_size vs_trl_demo}
+STEPS=${*:-env gpu_tests demo_gpu resume_cpu demo_nccl paths vs_trl_size vs_trl_demo tune_tokens tune_share \
+tune_share_demo}
 PY=${PY:-python3}
 ROUNDS=${ROUNDS:-2}
 mkdir -p "$OUT"
@@ -50,5 +55,15 @@ step paths 150 benchmarks/gpu_paths.sh --device cuda
 step vs_trl_size 240 "$PY" benchmarks/vs_trl.py scaling --device cuda --trl-python "$PY" --lengths "" --sizes 768x12 \
   --size-length 128 --rounds "$ROUNDS" --steps 3 --warmup 2
 step vs_trl_demo 200 "$PY" benchmarks/vs_trl.py demo --device cuda --trl-python "$PY" --rounds "$ROUNDS" --steps 5
+tune() {  # tune NAME SWITCH-ARGS...: a polyrl-only A/B of one setting; its result kept as OUT/NAME.json
+  local name=$1
+  shift
+  step "$name" 240 "$PY" benchmarks/vs_trl.py switch --device cuda --rounds "$ROUNDS" --steps 3 --warmup 2 "$@" &&
+    [[ " $STEPS " == *" $name "* ]] && cp benchmarks/results/vs_trl_cuda/switch.json "$OUT/$name.json" 2>/dev/null
+}
+SIZE=(--switch-size 768x12 --size-length 128 --stop natural)
+tune tune_tokens "${SIZE[@]}" --polyrl-set micro_batch_tokens=16384
+tune tune_share "${SIZE[@]}" --polyrl-set share_prompts=false
+tune tune_share_demo --polyrl-set share_prompts=false
 cp benchmarks/results/vs_trl_cuda/*.json "$OUT/" 2>/dev/null
 exit 0
