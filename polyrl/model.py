@@ -180,8 +180,8 @@ def process_logits(
 
     The order and the rules are those of Hugging Face's logits warpers: top-k keeps every token
     whose logit ties the k-th largest; top-p keeps the smallest prefix of tokens sorted by
-    probability whose mass reaches ``top_p`` (a token is removed when the mass strictly before it
-    already exceeds ``top_p``; the most probable token is always kept). ``top_k=None`` and
+    probability whose mass reaches ``top_p`` (a token is removed when the mass before it already
+    reaches ``top_p``, as ``TopPLogitsWarper`` and vLLM do; the most probable token is always kept). ``top_k=None`` and
     ``top_p=None`` (or 1.0) disable the filters. log_softmax of the result is the sampling
     distribution.
     """
@@ -198,7 +198,8 @@ def process_logits(
     if top_p is not None and top_p < 1.0:
         sorted_z, order = torch.sort(z, dim=-1, descending=True)
         probs = sorted_z.softmax(dim=-1)
-        remove_sorted = (probs.cumsum(dim=-1) - probs) > top_p
+        remove_sorted = (probs.cumsum(dim=-1) - probs) >= top_p
+        remove_sorted[..., 0] = False  # the most probable token, whatever the rounding
         remove = torch.zeros_like(remove_sorted).scatter(-1, order, remove_sorted)
         z = z.masked_fill(remove, float("-inf"))
     return z

@@ -131,7 +131,8 @@ def update_policy(learner: Learner, method: Method, s: Scored, counters: UpdateC
     lengths = tb.completion_mask.sum(-1).long()
     micro_sums: dict[str, float] = {}  # per micro-batch metrics (token means) x its loss tokens
     step_sums: dict[str, float] = {}  # per optimizer step metrics
-    n_steps, counts = 0, torch.zeros(3, dtype=torch.float64)  # (loss tokens, step losses summed, forward-only rows)
+    n_steps, counts = 0, torch.zeros(4, dtype=torch.float64)  # (loss tokens, step losses summed, forward-only rows,
+    # loss tokens outside the filtered support)
     zero_grad_counts = torch.zeros(2, 4)
     step_gen = torch.Generator().manual_seed(seed)
     own = _OwnRows(s.old_logp) if reuse_old else None  # the rows this rank computed (reuse_old)
@@ -170,8 +171,13 @@ def update_policy(learner: Learner, method: Method, s: Scored, counters: UpdateC
                     if real:
                         own.record(rows, s.old_logp[rows], None if s.old_topk is None else s.old_topk[rows])
                 old_topk = cut(s.old_topk)
+                # A sampled token this pass's top-k / top-p filter leaves out has log-prob -inf: the sampler's logits
+                # differ from these by rounding (bfloat16: by far more) at the filter's edge, or another policy chose
+                # it (agency). It has no gradient; it leaves the loss, counted, instead of making it nan.
+                outside = ~torch.isfinite(cur.logp.detach()) & (cut(mask) > 0)
+                micro_mask = cut(mask) * ~outside
                 inputs = LossInputs(
-                    logp=cur.logp, old_logp=cut(s.old_logp), adv=cut(s.adv), mask=cut(mask), normalizer=norm,
+                    logp=cur.logp, old_logp=cut(s.old_logp), adv=cut(s.adv), mask=micro_mask, normalizer=norm,
                     rollout_logp=cut(tb.rollout_logp), ref_logp=cut(s.ref_logp),
                     entropy=cur.entropy if method.entropy_grad else cur.entropy.detach(),  # differentiated by a bonus
                     group_ids=s.group_ids[rows], group_tokens=group_tokens[micro],
@@ -186,12 +192,13 @@ def update_policy(learner: Learner, method: Method, s: Scored, counters: UpdateC
                     finite = False
                     break
                 if grad:  # (a forward-only row has A = 0 everywhere: no token of it counts in zero_grad_counts)
-                    zeros = zero_grad_by_quarter(out.surrogate, cur.logp, cut(mask), cut(s.adv))
+                    zeros = zero_grad_by_quarter(out.surrogate, cur.logp, micro_mask, cut(s.adv))
                     learner.backward(out.loss if real else out.loss * 0.0)
                     if real:
                         zero_grad_counts += zeros
-                tokens = float(cut(mask).sum()) if real else 0.0
-                ran = [tokens, float(out.loss.detach()), 0.0 if grad else len(rows)] if real else [0.0, 0.0, 0.0]
+                tokens = float(micro_mask.sum()) if real else 0.0
+                ran = [tokens, float(out.loss.detach()), 0.0 if grad else len(rows), float(outside.sum())] if real \
+                    else [0.0] * 4
                 counts += torch.tensor(ran, dtype=torch.float64)
                 for k, v in out.metrics.items():  # token means, so weighted by tokens: the same for any split
                     micro_sums[k] = micro_sums.get(k, 0.0) + float(v) * tokens
@@ -214,8 +221,9 @@ def update_policy(learner: Learner, method: Method, s: Scored, counters: UpdateC
         own.merge(learner, s)
     keys = sorted(micro_sums)  # the same on every rank: each ran the same passes of the same method
     totals = learner.all_sum(torch.cat([torch.tensor([micro_sums[k] for k in keys], dtype=torch.float64), counts]))
-    tokens, loss_sum, forward_only = totals[-3:].tolist()
-    metrics = {k: v / max(1.0, tokens) for k, v in zip(keys, totals[:-3].tolist())}
+    tokens, loss_sum, forward_only, outside_total = totals[-4:].tolist()
+    metrics = {k: v / max(1.0, tokens) for k, v in zip(keys, totals[:-4].tolist())}
+    metrics["objective/outside_support_frac"] = outside_total / max(1.0, tokens + outside_total)
     metrics["objective/loss"] = loss_sum / (epochs * minibatches)  # the step loss, averaged over steps
     metrics.update({k: v / max(1, n_steps) for k, v in step_sums.items()})
     zero_grad_counts = learner.all_sum(zero_grad_counts)

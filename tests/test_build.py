@@ -179,6 +179,36 @@ def test_dynamic_sampling_refills_until_its_round_limit(tiny_model, tmp_path):
     assert row["rollout/gen_rounds"] == 3 and row["rollout/generated"] == 3 * 2 * 2 and row["rollout/empty_steps"] == 1
 
 
+def test_a_refill_round_draws_new_random_numbers(tiny_model):
+    """Round r's rows are keyed after the rows generated before it: the same prompt at the same weights sampled again
+    in a refill round gives other completions (with the first round's keys it gave the very same ones)."""
+    from polyrl.model import load_policy
+    from polyrl.rollout.collect import NoUsableGroups, collect
+    from polyrl.rollout.episodes import EpisodeRunner
+    from polyrl.rollout.generator import SamplingParams
+    from polyrl.rollout.hf import HFGenerator
+    from polyrl.tasks.base import Prompt
+    from polyrl.tasks.rewards import RewardChannels
+
+    policy, tokenizer = load_policy(tiny_model, threads=1)
+    task = AdditionTask()
+    runner = EpisodeRunner(HFGenerator(policy, tokenizer), tokenizer, task)
+    rounds = []
+
+    def sample(prompts, params, key_offset):
+        rounds.append((key_offset, [s.completion_token_ids for s in runner.sample(prompts, params, key_offset)]))
+        return runner.sample(prompts, params, key_offset)
+
+    same = Prompt(id="p", text="12+34=", answer="46")
+    with pytest.raises(NoUsableGroups):  # never solved: every DAPO group is dropped, round after round
+        collect(sample, RewardChannels(task), get_method("dapo"), lambda k: [(0, same)] * k, num_groups=2,
+                params=SamplingParams(n=4, max_new_tokens=6, seed=3), history={}, max_rounds=2)
+    (first, a), (second, b) = rounds
+    assert (first, second) == (0, 8) and a != b
+    assert runner.sample([same, same], SamplingParams(n=4, max_new_tokens=6, seed=3), 8) == \
+        runner.sample([same, same], SamplingParams(n=4, max_new_tokens=6, seed=3), 8)  # keyed: reproducible
+
+
 def test_feature_settings_nest_in_their_sections_and_stay_flat_as_flags_and_toml(tmp_path):
     from polyrl.guard import GuardConfig
     from polyrl.learner.config import CriticConfig

@@ -51,6 +51,9 @@ def test_turn_taking_maximum_exactly_at_min_gap():
     assert r[10] == pytest.approx(0.0)
     assert r[11] == -1.0  # late
     assert turn_taking_reward(tl(vad, "." * 22), 6) == -1.0  # no response
+    # no response within a window that outlasts the timeline (turn end 15 of 20 frames): still late, not 0.625
+    assert turn_taking_reward(tl("1" * 15 + "0" * 5, "." * 20), 15) == -1.0
+    assert turn_taking_reward(tl(vad, "." * 22), 6, max_gap=20, late_penalty=-2.0) == -2.0
     assert turn_taking_reward(tl(vad, "..S..........SSSSSSSSS"), 6) == -1.0  # spoke over the user first
 
 

@@ -206,9 +206,28 @@ def test_process_logits_by_hand():
     # top-p 0.6: 0.5 (mass before 0) kept, 0.25 (mass before 0.5) kept, 0.15 (before 0.75 > 0.6) removed.
     assert torch.isfinite(process_logits(logits, top_p=0.6)).tolist() == [[True, True, False, False]]
     assert torch.isfinite(process_logits(logits, top_p=0.4)).tolist() == [[True, False, False, False]]
+    # a token whose mass before it equals top_p exactly is removed (TopPLogitsWarper's and vLLM's rule)
+    quarters = torch.log(torch.full((1, 4), 0.25))
+    assert torch.isfinite(process_logits(quarters, top_p=0.5)).tolist() == [[True, True, False, False]]
+    assert torch.isfinite(process_logits(torch.log(torch.tensor([[0.5, 0.5]])), top_p=0.5)).tolist() == [[True, False]]
     torch.testing.assert_close(process_logits(logits, temperature=0.5), logits * 2)
     with pytest.raises(ValueError, match="top_p"):
         process_logits(logits, top_p=1.5)
+
+
+def test_top_p_keeps_what_transformers_keeps():
+    """The same support as TopPLogitsWarper: token for token on random distributions, and as many tokens where mass
+    sits exactly on the boundary (which of tied tokens stays is the sort's choice, in either)."""
+    from transformers.generation.logits_process import TopPLogitsWarper
+
+    g = torch.Generator().manual_seed(0)
+    dyadic = torch.log(torch.tensor([[0.5, 0.25, 0.125, 0.125], [0.25, 0.25, 0.25, 0.25], [0.5, 0.5, 0.0, 0.0]]))
+    for top_p in (0.25, 0.5, 0.75, 0.9):
+        logits = torch.randn(64, 12, generator=g, dtype=torch.float64) * 2
+        theirs = torch.isfinite(TopPLogitsWarper(top_p)(None, logits.clone()))
+        assert torch.equal(torch.isfinite(process_logits(logits, top_p=top_p)), theirs), top_p
+        theirs = torch.isfinite(TopPLogitsWarper(top_p)(None, dyadic.double())).sum(-1)
+        assert torch.equal(torch.isfinite(process_logits(dyadic.double(), top_p=top_p)).sum(-1), theirs), top_p
 
 
 def test_load_policy_round_trip_and_threads(model_dir):

@@ -69,8 +69,8 @@ class _Spy:
     def __init__(self, runner):
         self.runner, self.calls = runner, []
 
-    def __call__(self, prompts, params):
-        out = self.runner.sample(prompts, params)
+    def __call__(self, prompts, params, key_offset):
+        out = self.runner.sample(prompts, params, key_offset)
         self.calls.append((params, out))
         return out
 

@@ -365,3 +365,29 @@ def test_later_epochs_compare_the_policy_on_pi_olds_top_k_support(tiny_model, pr
     # the policy moved: its log-probs at those ids changed after the first optimizer step, and its own top-K did too
     assert not torch.allclose(seen[2][1], old.topk_logp)
     assert not torch.equal(learner.logprobs_nograd(tb, topk=4).topk_ids, old.topk_ids)
+
+
+def test_troll_columns_outside_both_filtered_supports_are_left_out_of_s():
+    """top-k / top-p can leave fewer than K tokens: columns -inf in both distributions. The loss and gradient equal
+    TROLL on the finite columns alone (exp(-inf) * (-inf - -inf) was nan in the backward and skipped the step)."""
+    g = torch.Generator().manual_seed(5)
+    B, T, K, cut = 3, 4, 8, 5
+    base = torch.randn(B, T, K, generator=g, dtype=D).log_softmax(-1)
+    old = (base + 0.8 * torch.randn(B, T, K, generator=g, dtype=D)).log_softmax(-1)
+    adv = torch.randn(B, T, generator=g, dtype=D)
+
+    def run_troll(cur, anchor):
+        leaf = cur.clone().requires_grad_(True)
+        inp = make_inp(leaf[..., 0], anchor[..., 0], adv, topk_logp=leaf, old_topk_logp=anchor)
+        loss, metrics = TRUST_REGIONS.fn("troll")(inp, leaf[..., 0] - anchor[..., 0], eps_kl=0.05)
+        loss.sum().backward()
+        return loss.detach(), metrics["topk_kl"], leaf.grad
+
+    inf = torch.full((B, T, K - cut), float("-inf"), dtype=D)
+    wide = run_troll(torch.cat([base[..., :cut], inf], -1), torch.cat([old[..., :cut], inf], -1))
+    narrow = run_troll(base[..., :cut], old[..., :cut])
+    assert torch.isfinite(wide[0]).all() and torch.isfinite(wide[1]) and torch.isfinite(wide[2]).all()
+    torch.testing.assert_close(wide[0], narrow[0], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(wide[1], narrow[1], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(wide[2][..., :cut], narrow[2], rtol=1e-12, atol=1e-12)
+    assert torch.equal(wide[2][..., cut:], torch.zeros(B, T, K - cut, dtype=D))

@@ -231,12 +231,13 @@ def _entropy(inp: LossInputs, setting: str) -> Tensor:
     return inp.entropy
 
 
-# The detached per-token inputs a part may read; policy_loss makes them finite where mask == 0.
-_PADDED_FIELDS = ("old_logp", "rollout_logp", "ref_logp", "adv", "old_topk_logp", "rollout_topk_logp")
+# The per-token inputs a part may read; policy_loss makes them finite where mask == 0 (logp too: a token the trainer's
+# filters leave out is -inf there, and torch.where passes its gradient on as 0, never 0 * nan).
+_PADDED_FIELDS = ("logp", "old_logp", "rollout_logp", "ref_logp", "adv", "old_topk_logp", "rollout_topk_logp")
 
 
 def _finite_padding(inp: LossInputs) -> LossInputs:
-    """``inp`` with 0 in the detached inputs where mask == 0. Parts mask their loss, but a padded position's product
+    """``inp`` with 0 in the per-token inputs where mask == 0. Parts mask their loss, but a padded position's product
     in the backward (0 * nan) or a batch statistic (BAPO's search) would still carry a nan or inf placed there (an
     unfilled pi_old slot); zeroing them once here keeps every part's padding out without its own masking."""
     pad = inp.mask == 0

@@ -192,7 +192,8 @@ def troll(
 ) -> tuple[Tensor, Metrics]:
     """Project each token's top-K distribution into a KL ball around pi_old and use its ratio (TROLL).
 
-    arXiv:2510.03817. On S = the K columns, pi_S, old_S = topk_logp, old_topk_logp renormalised on S;
+    arXiv:2510.03817. On S = the K columns (those finite in both: a top-k or top-p filter can leave fewer than K),
+    pi_S, old_S = topk_logp, old_topk_logp renormalised on S;
     pi_tilde = troll_project(pi_S, old_S); l = -r (pi_tilde(y) / pi_S(y)) A + alpha KL(pi_S || sg(pi_tilde)),
     y = column 0 (the sampled token). Conventions: (1) the ratio is the composition's full-vocabulary
     r = pi(y)/anchor(y) times the projection factor pi_tilde(y)/pi_S(y) (identically 1 inside the region),
@@ -208,8 +209,12 @@ def troll(
             f"trust region 'troll' needs LossInputs.{' and LossInputs.'.join(missing)} [B, T, K]"
         )
     dtype = torch.promote_types(inp.topk_logp.dtype, torch.float32)
-    log_pi = torch.log_softmax(inp.topk_logp.to(dtype), dim=-1)
-    log_old = torch.log_softmax(inp.old_topk_logp.detach().to(dtype), dim=-1)
+    # S = the columns both distributions keep: top-k / top-p can leave fewer than K tokens (log-prob -inf), and
+    # exp(-inf) * (-inf - -inf) is nan. Others get a floor exp() takes to 0, so no nan reaches a gradient.
+    kept = torch.isfinite(inp.topk_logp.detach()) & torch.isfinite(inp.old_topk_logp)
+    floor = torch.tensor(-1e4, dtype=dtype, device=kept.device)
+    log_pi = torch.log_softmax(torch.where(kept, inp.topk_logp.to(dtype), floor), dim=-1)
+    log_old = torch.log_softmax(torch.where(kept, inp.old_topk_logp.detach().to(dtype), floor), dim=-1)
     log_tilde, _, projected = troll_project(log_pi, log_old, eps_kl=eps_kl, max_iter=max_iter)
     shrink = log_tilde[..., 0] - log_pi[..., 0]  # log pi_tilde(y) / pi_S(y); exactly 0 (no grad) inside
     ratio = (log_ratio + shrink).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()

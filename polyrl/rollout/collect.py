@@ -55,7 +55,8 @@ class RolloutBatch:
     greedy_rewards: Tensor | None = None  # [B] shaped reward of the greedy completion of each sample's prompt (ReMax)
 
 
-SampleFn = Callable[[list[Prompt], SamplingParams], list[Sample]]  # EpisodeRunner.sample: n samples per prompt
+# EpisodeRunner.sample(prompts, params, key_offset): n samples per prompt, row i keyed key_offset + i
+SampleFn = Callable[[list[Prompt], SamplingParams, int], list[Sample]]
 
 
 def collect(
@@ -71,8 +72,9 @@ def collect(
 ) -> RolloutBatch:
     """Sample ``num_groups`` groups of ``params.n`` completions that survive the method's filters.
 
-    ``sample(prompts, params)`` returns ``params.n`` completions per prompt (an ``EpisodeRunner``'s
-    ``sample``: single-turn or multi-turn). ``draw_prompts(k)`` returns the next k (pool index,
+    ``sample(prompts, params, key_offset)`` returns ``params.n`` completions per prompt (an ``EpisodeRunner``'s
+    ``sample``: single-turn or multi-turn); a refill round's rows are keyed after the rows generated before it, so
+    its random numbers are not the first round's again. ``draw_prompts(k)`` returns the next k (pool index,
     Prompt) pairs of the training stream.
     ``history`` (pool index -> best pass rate so far) is updated with every scored group, so
     no-positive-resampling removes a prompt once it was solved often enough.
@@ -92,7 +94,7 @@ def collect(
         rounds += 1
         need = num_groups - len(kept_groups)
         drawn = draw_prompts(need)
-        samples = sample([p for _, p in drawn], params)
+        samples = sample([p for _, p in drawn], params, generated)
         scored = rewards([drawn[s.prompt_index][1] for s in samples], [s.text for s in samples],
                          prompt_index=[s.prompt_index for s in samples])
         scores = torch.tensor(scored.total, dtype=torch.float32)
@@ -159,7 +161,7 @@ def collect(
 def _greedy_rewards(sample: SampleFn, rewards: RewardChannels, method: Method,
                     drawn: list[tuple[int, Prompt]], params: SamplingParams) -> tuple[Tensor, Tensor]:
     """Raw scores and shaped rewards [len(drawn)] of one greedy (argmax) completion per drawn prompt."""
-    greedy = sample([p for _, p in drawn], dataclasses.replace(params, n=1, temperature=0.0))
+    greedy = sample([p for _, p in drawn], dataclasses.replace(params, n=1, temperature=0.0), 0)  # argmax: no draws
     scored = rewards([drawn[s.prompt_index][1] for s in greedy], [s.text for s in greedy],
                      prompt_index=[s.prompt_index for s in greedy])
     scores = torch.tensor(scored.total, dtype=torch.float32)

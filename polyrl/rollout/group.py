@@ -47,16 +47,17 @@ class GroupSource:
         batch.stats.update(self.runner.take_stats())
         return batch
 
-    def _prefetched(self, step: int) -> Callable[[list[Prompt], SamplingParams], list[Sample]]:
+    def _prefetched(self, step: int) -> Callable[[list[Prompt], SamplingParams, int], list[Sample]]:
         """A sample function for ``collect``: the batch prefetched for ``step`` when it matches, else sampled now.
 
         The first step, a dynamic-sampling refill round, or a stream that moved (a refill drew extra prompts)
         sample with the current weights (version ``step``, staleness 0).
         """
-        def sample(prompts: list[Prompt], params: SamplingParams) -> list[Sample]:
-            got = self.prefetch.result(step, prompts, params) if step in self.prefetch.pending() else None
+        def sample(prompts: list[Prompt], params: SamplingParams, key_offset: int) -> list[Sample]:
+            first = key_offset == 0 and step in self.prefetch.pending()  # a refill round is never prefetched
+            got = self.prefetch.result(step, prompts, params) if first else None
             if got is None:
-                got = self.runner.sample(prompts, params)
+                got = self.runner.sample(prompts, params, key_offset)
                 for s in got:
                     s.policy_version = step
             return got

@@ -66,10 +66,12 @@ def turn_taking_reward_batch(action: Tensor, turn_end: Tensor, *, min_gap: int =
     gap > max_gap or no onset -> late_penalty.
     Convention: linear decay inside the window (ours; the paper's shape was not retrieved).
     """
-    gap = (first_onset(action) - turn_end).float()
+    onset = first_onset(action)
+    gap = (onset - turn_end).float()
     inside = 1.0 - (gap - min_gap) / max(max_gap - min_gap, 1)
     r = torch.where(gap < min_gap, torch.full_like(gap, -1.0), inside)
-    return torch.where(gap > max_gap, torch.full_like(gap, late_penalty), r)
+    late = (gap > max_gap) | (onset >= action.shape[-1])  # silence to the end is late, however near the end the turn
+    return torch.where(late, torch.full_like(gap, late_penalty), r)
 
 
 def _starts(mask: Tensor) -> Tensor:

@@ -119,6 +119,7 @@ def ratio_norm(logp_new: Tensor, logp_old: Tensor, mean_new: Tensor, mean_old: T
 
     arXiv:2510.22319. With ``reduce="mean"`` both terms are per-dimension, so log rho_hat = eps . Delta / D.
     The bias term keeps its gradient (reference implementations); only m_old and logp_old are constants.
+    [unverified]: the formula comes from reading notes and third-party reimplementations (spec F2, [sec]).
     """
     s = std_step.expand_as(logp_new)
     bias = step_kl(mean_new, mean_old.detach(), s, reduce)
@@ -132,7 +133,8 @@ def grpo_guard_loss(logp_new: Tensor, logp_old: Tensor, mean_new: Tensor, mean_o
     """GRPO-Guard: PPO clip on the normalised ratio, step k weighted by 1/|dt_k|. Returns [B, S].
 
     arXiv:2510.22319: l = w_k max(-rho_hat A, -clip(rho_hat, 1-c, 1+c) A), w_k = 1/|dt_k| (1 when
-    ``dt_weight`` is False), rho_hat = exp(ratio_norm(...)); ``clip`` is in normalised units [ours].
+    ``dt_weight`` is False), rho_hat = exp(ratio_norm(...)); ``clip`` is in normalised units [ours]. RatioNorm and
+    the 1/|dt| weight are [unverified] (spec F2: [sec] reading notes and reimplementations).
     """
     m = _mask(mask, logp_new)
     log_hat = ratio_norm(logp_new, logp_old, mean_new, mean_old, std_step, reduce)
@@ -171,7 +173,8 @@ def fpo_ratio(velocity, old_cfm_losses: Tensor, actions: Tensor, context: Tensor
               per_sample_ratio: bool = False, reduce: Literal["mean", "sum"] = "sum") -> Tensor:
     """FPO ratio r_hat = exp(sg[L_old] - L_theta) with the stored (t, eps) samples. Returns [B] ([B, N] per sample).
 
-    arXiv:2507.21053; L = mean over the N samples of ``fpo_cfm_losses``. Exactly 1 at theta_old.
+    arXiv:2507.21053; L = mean over the N samples of ``fpo_cfm_losses``. Exactly 1 at theta_old. [unverified]: the
+    formulas come from summaries (spec F1, [sec]), consistent across several.
     """
     log_ratio = old_cfm_losses.detach() - fpo_cfm_losses(velocity, actions, context, t, eps, reduce)
     return _ratio(log_ratio if per_sample_ratio else log_ratio.mean(-1))
@@ -182,7 +185,8 @@ def fpo_loss(cfm_new: Tensor, cfm_old: Tensor, adv: Tensor, *, clip: float = 0.2
     """FPO: PPO clip on r_hat = exp(sg[L_old] - L_theta), L = mean over the shared (t, eps) samples.
 
     arXiv:2507.21053: r_hat is exactly 1 at theta_old. ``per_sample_ratio`` (FPO++) uses one ratio per
-    (t, eps) sample, exp(sg[l_old] - l_theta), instead of one per action. Returns [B] or [B, N].
+    (t, eps) sample, exp(sg[l_old] - l_theta), instead of one per action. Returns [B] or [B, N]. [unverified] as
+    ``fpo_ratio`` (spec F1, [sec]).
     """
     log_ratio = cfm_old.detach() - cfm_new
     if not per_sample_ratio:

@@ -119,7 +119,9 @@ def flow_grpo() -> FlowMethod:
 
 @flow_preset
 def flow_dppo() -> FlowMethod:
-    """Flow-DPPO: exact-KL asymmetric mask instead of clipping; group mean, batch std (arXiv:2606.11025)."""
+    """Flow-DPPO: exact-KL asymmetric mask instead of clipping; group mean, batch std (arXiv:2606.11025). Every
+    sampler step is stochastic and trained, as in the spec's toy experiment (the UniRL SD3.5 recipe samples 3 SDE
+    steps in the first half of 10)."""
     return build_flow_method("flow_dppo", advantage="group_centered_batch_std", loss="flow_dppo",
                              paper="arXiv:2606.11025")
 

@@ -1,7 +1,9 @@
 """Target-update presets for `polyrl q train --method NAME` (and `polyrl compare --family q --methods A,B`).
 
-``Q_METHODS`` maps a name to a ``QMethod`` (target mode, period, lambda). ``periodic`` and the λ presets are
-matched in mean target period: 1 / (1 - 0.99) = 100 online steps. ``get_q_method(name, lam=, period=)``
+``Q_METHODS`` maps a name to a ``QMethod`` (target mode, period, lambda). ``periodic`` and ``lambda_geometric`` are
+matched in mean target period: 1 / (1 - 0.99) = 100 online steps (geometric: in expectation). ``lambda_exact``
+refreshes once per window of H = 688 steps (0.99^H <= 1e-3), to the geometric average of the iterates since its
+last refresh (weights (1 - λ) λ^(m-1), mean index 99.3). ``get_q_method(name, lam=, period=)``
 applies overrides and validates (ConfigError, one line).
 """
 

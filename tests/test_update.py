@@ -1,0 +1,46 @@
+"""The update loop's handling of tokens the trainer's own sampling filters leave out (update_policy)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+from polyrl.batch import TokenBatch
+from polyrl.learner.local import LocalLearner
+from polyrl.methods import get_method
+from polyrl.model import load_policy
+from polyrl.update import Scored, update_policy
+
+
+def test_a_token_outside_the_trainers_top_k_leaves_the_loss_instead_of_skipping_the_step(tiny_model):
+    """The sampler and the trainer filter top-k / top-p from logits that differ by rounding (bfloat16: by far more):
+    a sampled token at the edge can come back -inf. Before, its nan loss skipped the whole step; now it leaves the
+    loss, counted in objective/outside_support_frac, and the other tokens train."""
+    torch.manual_seed(0)
+    model, _ = load_policy(tiny_model, threads=1)
+    learner = LocalLearner(model, lr=1e-2, weight_decay=0.0, warmup_steps=0, max_grad_norm=10.0, temperature=1.0,
+                           top_p=1.0, top_k=2, fp32_head=False, micro_batch_size=8)
+    g = torch.Generator().manual_seed(1)
+    B, P, T = 4, 3, 5
+    comp = torch.ones(B, T)
+    tb = TokenBatch(torch.randint(4, 30, (B, P + T), generator=g), torch.ones(B, P + T).long(), comp,
+                    -torch.rand(B, T, generator=g), comp.clone(), torch.zeros(B, T, dtype=torch.long))
+    with torch.no_grad():  # greedy completions (inside top-2), then row 0's first token the least likely one
+        for t in range(T):
+            tb.input_ids[:, P + t] = model(input_ids=tb.input_ids[:, :P + t]).logits[:, -1].argmax(-1)
+        tb.input_ids[0, P] = int(model(input_ids=tb.input_ids[:1, :P]).logits[0, -1].argmin())
+    outside = ~torch.isfinite(learner.logprobs_nograd(tb).logp)
+    assert outside[0, 0] and 0 < int(outside.sum()) < B * T
+    before = [p.detach().clone() for p in model.parameters()]
+    counters = SimpleNamespace(bad_steps=0, skipped_total=0)
+    scored = Scored(tb=tb, mask=tb.loss_mask, adv=torch.tensor([1.0, -1.0, 0.5, -0.5])[:, None].expand(B, T).clone(),
+                    group_ids=torch.zeros(B, dtype=torch.long), segment_ids=torch.zeros(B, T, dtype=torch.long),
+                    old_logp=torch.zeros(B, T), old_topk=None, ref_logp=None)
+    metrics = update_policy(learner, get_method("grpo", kl=None, kl_coef=0.0), scored, counters, epochs=1,
+                            minibatches=1, micro_batch_size=8, horizon=T, topk=0, reuse_old=True, seed=0,
+                            max_bad_steps=5)
+    assert counters.skipped_total == 0 and torch.isfinite(torch.tensor(metrics["objective/loss"]))
+    assert metrics["objective/outside_support_frac"] == float(outside.sum()) / (B * T)
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert any(not torch.equal(p, q) for p, q in zip(model.parameters(), before))
