@@ -15,6 +15,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from polyrl.lab.claim_types import Budget, Claim, check_workers
 
 GENERATED_BY = "polyrl evidence"
@@ -24,8 +26,29 @@ def _budget(claim: Claim, budget: str | Budget) -> Budget:
     return budget if isinstance(budget, Budget) else getattr(claim, budget)
 
 
+def _strict(obj: Any) -> Any:
+    """Plain JSON values: numpy numbers and arrays as Python ones, NaN and infinities as null (JSON has neither; a
+    claim's numbers read back as None, which its decision takes as NaN)."""
+    if isinstance(obj, np.ndarray):
+        return _strict(obj.tolist())
+    if isinstance(obj, dict):
+        return {str(k): _strict(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [_strict(v) for v in obj]
+    if isinstance(obj, bool | str) or obj is None:
+        return obj
+    if isinstance(obj, int | np.integer):
+        return int(obj)
+    value = float(obj)
+    return value if math.isfinite(value) else None
+
+
+def _dumps(obj: Any, **kw: Any) -> str:
+    return json.dumps(_strict(obj), allow_nan=False, **kw)
+
+
 def decision_dict(decision: Any) -> dict[str, Any]:
-    return json.loads(json.dumps(dataclasses.asdict(decision), default=float))
+    return _strict(dataclasses.asdict(decision))
 
 
 def _fingerprint(claim: Claim) -> str:
@@ -57,14 +80,14 @@ def run_evidence(ids: list[str], budget: str | Budget, *, workers: int, out: Pat
                 _fingerprint(claim):
             samples = saved["samples"]
         else:
-            samples = claim.run(b, cdir, workers)
-            spath.write_text(json.dumps({"budget": dataclasses.asdict(b), "setup": _fingerprint(claim),
-                                         "samples": samples}, indent=1, default=float))
+            samples = _strict(claim.run(b, cdir, workers))  # as a rerun reads them back from samples.json
+            spath.write_text(_dumps({"budget": dataclasses.asdict(b), "setup": _fingerprint(claim),
+                                     "samples": samples}, indent=1))
         decision = claim.decide(samples)
         results["claims"][cid] = {"samples": samples, "decision": decision_dict(decision),
                                   "budget": dataclasses.asdict(b),
                                   "wall_seconds": float(samples.get("wall_seconds", time.perf_counter() - t0))}
-        res_path.write_text(json.dumps(results, indent=1, sort_keys=True, default=float))
+        res_path.write_text(_dumps(results, indent=1, sort_keys=True))
         if progress is not None:
             progress(i + 1, len(ids), cid, decision.verdict)
     return results
@@ -184,7 +207,7 @@ def write_reports(results: dict[str, Any], registry: dict[str, Claim], out: Path
     """Plots + evidence.md + evidence.html under OUT (and, with ``docs``, docs/evidence.md + docs/evidence/)."""
     out = Path(out)
     # Render what results.json will hold (keys sorted), so that the document is a function of the file alone.
-    results = json.loads(json.dumps(results, sort_keys=True, default=float))
+    results = json.loads(_dumps(results, sort_keys=True))
     img = (docs / "evidence") if docs is not None else out / "evidence"
     plots = {cid: plot_claim(cid, c["samples"], img / f"{cid}.png") for cid, c in results["claims"].items()}
     md = render_markdown(results, registry)
@@ -192,7 +215,7 @@ def write_reports(results: dict[str, Any], registry: dict[str, Claim], out: Path
     (out / "evidence.html").write_text(render_html(results, registry, plots))
     if docs is not None:
         (docs / "evidence").mkdir(parents=True, exist_ok=True)
-        (docs / "evidence" / "results.json").write_text(json.dumps(results, indent=1, sort_keys=True, default=float))
+        (docs / "evidence" / "results.json").write_text(_dumps(results, indent=1, sort_keys=True))
         (docs / "evidence.md").write_text(md)
 
 
