@@ -36,9 +36,17 @@ class GuardConfig:
 
 
 def make_monitor(history: list[dict[str, float]], up_to: int) -> CollapseMonitor:
-    """A collapse monitor that has seen every logged row up to ``up_to``, as the offline analysis does."""
-    monitor = CollapseMonitor(CollapseRule())
+    """A collapse monitor that has seen every logged row of the live history up to ``up_to``, as the offline analysis
+    does: a rollback to step r (its row of guard/* alone) discards the rows after r logged before it, the branch it
+    left. (Replaying that branch's collapse would latch the monitor, and no later collapse would be caught.)"""
+    live: list[dict[str, float]] = []
     for row in history:
+        if all(k == "step" or k.startswith("guard/") for k in row):
+            live = [r for r in live if r["step"] <= row["step"]]
+        else:
+            live.append(row)
+    monitor = CollapseMonitor(CollapseRule())
+    for row in live:
         if row["step"] <= up_to:
             monitor.update(row["step"], row)
     return monitor

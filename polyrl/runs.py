@@ -723,9 +723,9 @@ def cut_logs(run_dir: str | Path, step: int, *, keep_eval: bool = False) -> int:
     """Drop the rows logged after ``step`` (steps redone after a resume); return how many were dropped.
 
     A line cut short by a kill is dropped too, and so is a final evaluation logged at ``step`` itself (a row of
-    eval/* alone after the step's own row): the resumed run evaluates again when it ends; ``keep_eval`` keeps it
-    (``step`` is on the --eval-every schedule of a run that goes on past it, which evaluates there unbroken). The file
-    is rewritten through a temporary sibling.
+    eval/* and drift/* alone after the step's own row): the resumed run evaluates again when it ends; ``keep_eval``
+    keeps it (``step`` is on the --eval-every schedule of a run that goes on past it, which evaluates there
+    unbroken). The file is rewritten through a temporary sibling.
     """
     dropped = 0
     for name in LOGS:
@@ -739,8 +739,8 @@ def cut_logs(run_dir: str | Path, step: int, *, keep_eval: bool = False) -> int:
             except ValueError:
                 dropped += 1
                 continue
-            final_eval = (row.get("step") == step and step > 0 and not keep_eval
-                          and all(k == "step" or k.startswith("eval/") for k in row))
+            final_eval = (row.get("step") == step and step > 0 and not keep_eval  # drift probes ride along with it
+                          and all(k == "step" or k.startswith(("eval/", "drift/")) for k in row))
             if row.get("step", 0) <= step and not (final_eval and name == "metrics.jsonl"):
                 kept.append(line)
             else:

@@ -127,6 +127,7 @@ def _train(cfg: TrainConfig, method: Method, parts: Components, *, task: Task, m
     console.print(f"[bold]{method.name}[/] on {task.name}: held-out accuracy before = {state.eval_before:.3f}")
 
     monitor = make_monitor(logger.history, state.step) if cfg.guard.enabled else None
+    last: dict[str, float] | None = None  # the final evaluation, once made
     started = time.perf_counter()
     steps_done = rollouts = 0
     step_seconds = 0.0  # time inside RL steps only (no evaluation or checkpointing)
@@ -156,8 +157,13 @@ def _train(cfg: TrainConfig, method: Method, parts: Components, *, task: Task, m
                 if cfg.eval.every and state.step % cfg.eval.every == 0 and state.step < cfg.steps:
                     metrics.update(parts.evaluate(state.step, state.solved_before)[0])
                 logger.log(state.step, metrics)
+                if monitor is not None and state.step == cfg.steps:  # the guard judges the final evaluation too
+                    last = parts.evaluate(state.step, state.solved_before)[0]
+                    logger.log(state.step, last)
+                    metrics = {**metrics, **last}
                 reason = monitor.update(state.step, metrics) if monitor is not None else None
                 if reason is not None:  # --guard: back to the last good checkpoint with a lower learning rate
+                    last = None
                     state = roll_back(run, state, lambda path: _restore(parts, path), parts.learner, base_lr=cfg.lr,
                                       factor=cfg.guard.lr_factor, max_rollbacks=cfg.guard.max_rollbacks,
                                       reason=reason, console=console)
@@ -173,8 +179,9 @@ def _train(cfg: TrainConfig, method: Method, parts: Components, *, task: Task, m
                     _save(parts, run, state)
     finally:
         parts.source.close()
-    last = parts.evaluate(state.step, state.solved_before)[0]
-    logger.log(state.step, last)
+    if last is None:
+        last = parts.evaluate(state.step, state.solved_before)[0]
+        logger.log(state.step, last)
     state.timing = total = timing()
     _save(parts, run, state)
     logger.close()

@@ -153,11 +153,14 @@ def test_same_weights_run_for_any_team_size_and_padding_is_inert(n):
 TINY = dict(envs=4, horizon=6, hidden=16, eval_every=2, eval_episodes=4, minibatches=2, epochs=2)
 
 
-def test_resume_2_plus_2_equals_4(tmp_path):
-    m = get_marl_method("mappo")
-    full = train_marl(MarlTrainConfig(steps=4, **TINY), m, run_dir=tmp_path / "full", table_every=0)
-    train_marl(MarlTrainConfig(steps=2, **TINY), m, run_dir=tmp_path / "half", table_every=0)
-    resumed = train_marl(MarlTrainConfig(steps=4, **TINY), m, run_dir=tmp_path / "half", resume=True, table_every=0)
+@pytest.mark.parametrize("eval_every", [None, 3])
+def test_resume_2_plus_2_equals_4(tmp_path, eval_every):
+    """With eval_every 3 the first segment evaluates at its last step (2), off the schedule: the resumed run's
+    history and file drop that evaluation, as the unbroken run never made it."""
+    m, tiny = get_marl_method("mappo"), {**TINY, **({} if eval_every is None else {"eval_every": eval_every})}
+    full = train_marl(MarlTrainConfig(steps=4, **tiny), m, run_dir=tmp_path / "full", table_every=0)
+    train_marl(MarlTrainConfig(steps=2, **tiny), m, run_dir=tmp_path / "half", table_every=0)
+    resumed = train_marl(MarlTrainConfig(steps=4, **tiny), m, run_dir=tmp_path / "half", resume=True, table_every=0)
     a = torch.load(tmp_path / "full" / "checkpoint.pt", weights_only=False)
     b = torch.load(tmp_path / "half" / "checkpoint.pt", weights_only=False)
     for k, v in a["agent"].items():
@@ -168,6 +171,8 @@ def test_resume_2_plus_2_equals_4(tmp_path):
     assert strip[0] == strip[1]
     rows = [json.loads(x) for x in (tmp_path / "half" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    full_rows = [json.loads(x) for x in (tmp_path / "full" / "metrics.jsonl").read_text().splitlines()]
+    assert [sorted(r) for r in rows] == [sorted(r) for r in full_rows]
 
 
 def test_ippo_critic_differs_and_trains(tmp_path):

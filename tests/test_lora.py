@@ -105,13 +105,16 @@ def test_only_adapters_train_and_export_merges_them(tiny_model, tmp_path):
     assert (completion_logprobs(start, *args).logp - want).abs().max() > 1e-4  # training did move the policy
 
 
-def test_lora_resume_is_exact(tiny_model, tmp_path):
-    method = get_method("grpo")
-    train(_cfg(**LORA, steps=4), method, model_dir=tiny_model, task=AdditionTask(), run_dir=str(tmp_path / "a"),
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_lora_resume_is_exact(tiny_model, tmp_path, dropout):
+    """With dropout too: rollouts and evaluations decode in eval mode, so the final evaluation of the first segment
+    (which the unbroken run never does) leaves the random state its checkpoint saves as it was."""
+    method, lora = get_method("grpo"), {**LORA, "lora_dropout": dropout}
+    train(_cfg(**lora, steps=4), method, model_dir=tiny_model, task=AdditionTask(), run_dir=str(tmp_path / "a"),
           console=QUIET)
-    train(_cfg(**LORA, steps=2), method, model_dir=tiny_model, task=AdditionTask(), run_dir=str(tmp_path / "b"),
+    train(_cfg(**lora, steps=2), method, model_dir=tiny_model, task=AdditionTask(), run_dir=str(tmp_path / "b"),
           console=QUIET)
-    train(_cfg(**LORA, steps=4, resume=True), method, model_dir=tiny_model, task=AdditionTask(),
+    train(_cfg(**lora, steps=4, resume=True), method, model_dir=tiny_model, task=AdditionTask(),
           run_dir=str(tmp_path / "b"), console=QUIET)
     from safetensors.torch import load_file
 
@@ -120,6 +123,27 @@ def test_lora_resume_is_exact(tiny_model, tmp_path):
     assert a.keys() == b.keys()
     for k in a:
         assert torch.equal(a[k], b[k]), k
+
+
+def test_sampling_does_not_depend_on_the_modules_training_mode(tiny_model):
+    """The learner leaves the shared policy module in train mode; a dropout layer there would make rollouts draw
+    from torch's global generator. Decoding runs in eval mode and gives the module back in the mode it had."""
+    from polyrl.learner.lora import add_adapters
+
+    model, tok = load_policy(tiny_model, threads=1)
+    add_adapters(model, rank=4, alpha=8.0, targets="all-linear", dropout=0.5)  # injected in place
+    with torch.no_grad():  # trained adapters: B is no longer 0, so dropout on their input changes the logits
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.5, generator=torch.Generator().manual_seed(len(name)))
+    gen, params = HFGenerator(model, tok), SamplingParams(n=4, max_new_tokens=6, seed=7)
+    model.eval()
+    want = [s.completion_token_ids for s in gen.generate(["12+34="], params)]
+    model.train()
+    torch.manual_seed(0)
+    got = [s.completion_token_ids for s in gen.generate(["12+34="], params)]
+    torch.manual_seed(1)
+    assert got == want == [s.completion_token_ids for s in gen.generate(["12+34="], params)] and model.training
 
 
 @pytest.mark.parametrize("values,needle", [

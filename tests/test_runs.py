@@ -374,3 +374,17 @@ def test_extending_a_run_keeps_the_evaluation_its_schedule_puts_at_the_checkpoin
         return [(r["step"], r["eval/accuracy"]) for r in _rows(path) if "eval/accuracy" in r]
 
     assert [s for s, _ in evals(run)] == [0, 1, 2, 3] and evals(run) == evals(whole)
+
+
+def test_cut_logs_drops_a_final_evaluation_with_its_drift_probes(tmp_path):
+    """The first segment's final evaluation is not the unbroken run's (it evaluates there only on --eval-every's
+    schedule): cut at a resume, also when drift probes logged beside it (--drift-prompts)."""
+    from polyrl.runs import cut_logs
+
+    rows = [{"step": 1, "reward/mean": 0.1}, {"step": 2, "reward/mean": 0.2},
+            {"step": 2, "eval/accuracy": 0.5, "drift/k3": 0.01, "drift/hidden_cos": 0.99}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert cut_logs(tmp_path, 2) == 1
+    assert [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == rows[:2]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert cut_logs(tmp_path, 2, keep_eval=True) == 0  # on the schedule of a run that goes on: the unbroken run's too

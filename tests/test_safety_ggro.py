@@ -146,6 +146,19 @@ def test_ggro_nudges_raise_a_linear_reward():
     assert sum(gains) / len(gains) > 0
 
 
+def test_nudge_weight_scales_the_rescaled_bias():
+    """Spec 11: the bias is rescaled to the logit norm, then w multiplies. Applied before the rescaling, w cancelled:
+    0.01, 1 and 100 gave the same completions, nudges and rewards."""
+    lm, _, embed = _models(1)
+    rm = linear_rm(embed[OFFSET + 5] / embed[OFFSET + 5].norm(), c=0.0)
+    params = SamplingParams(max_new_tokens=10, temperature=1.0)
+    u = torch.rand(6, 10, generator=torch.Generator().manual_seed(2))
+    runs = {w: [ggro_decode(lm, rm, [BOS, OFFSET + 1], embed=embed, entropy_threshold=0.0, num_refinements=4, top_k=8,
+                            max_new_tokens=10, params=params, uniforms=u[r], eos_ids=(EOS,), nudge_weight=w)["ids"]
+                for r in range(6)] for w in (0.0, 1.0, 100.0)}
+    assert runs[0.0] != runs[1.0] != runs[100.0]  # w = 0: no bias at all
+
+
 def test_decoder_is_generator_compatible_and_keyed():
     from polyrl.tinylm import build_char_tokenizer
 

@@ -237,6 +237,46 @@ def test_guard_rolls_back_to_last_checkpoint_and_lowers_lr(tiny_model, tmp_path,
     assert steps == [1, 2, 3, 3, 4, 5]  # step 3 was redone after the rollback to step 2
 
 
+def test_the_guard_replays_only_the_live_history():
+    """A rollback to step 2 left the branch that collapsed at step 3: a monitor rebuilt later (after another rollback,
+    or on resume) does not replay it, so it is not latched and catches the next collapse."""
+    from polyrl.guard import make_monitor
+
+    acc = lambda step, a: {"step": step, "eval/accuracy": a}  # noqa: E731
+    history = [acc(1, 0.6), acc(2, 0.6), acc(3, 0.1), {"step": 2, "guard/rollbacks": 1, "guard/lr": 5e-4},
+               acc(3, 0.6), acc(4, 0.6), acc(5, 0.6)]
+    monitor = make_monitor(history, 5)
+    assert monitor.collapsed is None
+    assert monitor.update(6, {"eval/accuracy": 0.1}) is not None
+
+
+def test_the_guard_judges_the_final_evaluation(tiny_model, tmp_path, monkeypatch):
+    """The last step's evaluation is made after the loop in an unguarded run; with --guard the monitor sees it before
+    the final checkpoint, which would otherwise save the collapsed weights as the resume point."""
+    import polyrl.guard as guard_mod
+
+    class CollapseOnFinalEval:
+        fired = False
+
+        def __init__(self, rule):
+            pass
+
+        def update(self, step, metrics):
+            if step == 4 and "eval/accuracy" in metrics and not CollapseOnFinalEval.fired:
+                CollapseOnFinalEval.fired = True
+                return "eval/accuracy fell below half its best"
+            return None
+
+    monkeypatch.setattr(guard_mod, "CollapseMonitor", CollapseOnFinalEval)
+    cfg = _cfg(steps=4, guard=True, checkpoint_every=2, eval_every=0, lr=1e-3)
+    summary = train(cfg, get_method("grpo"), model_dir=tiny_model, task=_task(), run_dir=str(tmp_path), console=QUIET)
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "guard/rollbacks" in r] == [2] and summary["steps"] == 4
+    assert [r["step"] for r in rows if "reward/mean" in r] == [1, 2, 3, 4, 3, 4]
+    evaluations = [r["step"] for r in rows if "eval/accuracy" in r]
+    assert evaluations == [0, 4, 4]  # the start, the judged final evaluation, the final one after the rollback
+
+
 def test_evaluation_splits_accuracy_into_retained_and_gained():
     """eval/retained and eval/gained follow each prompt, whatever order the runner returns the completions in."""
     from types import SimpleNamespace

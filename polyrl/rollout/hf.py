@@ -30,6 +30,7 @@ log-prob is the mixture's (``rollout/agency/arbiter.py``).
 
 from __future__ import annotations
 
+import contextlib
 import secrets
 
 import numpy as np
@@ -105,7 +106,8 @@ class HFGenerator:
             chunk_keys = keys[start : start + self.max_batch_size]
             uniforms = _uniforms(base, chunk_keys, TOKENS, params.max_new_tokens).to(device)
             coins = _uniforms(base, chunk_keys, COINS, params.max_new_tokens + 1).to(device)
-            tokens, logps, lengths, stopped, from_b, sq = self._decode(chunk_ids, params, uniforms, coins, device)
+            with _eval_mode(self.model, self.arbiter.baseline if self.arbiter is not None else None):
+                tokens, logps, lengths, stopped, from_b, sq = self._decode(chunk_ids, params, uniforms, coins, device)
             completions = [row[:n] for row, n in zip(tokens.tolist(), lengths.tolist())]
             texts = self.tokenizer.batch_decode(completions, skip_special_tokens=True)
             for (index, ids), completion, row_logps, stop, text, n_b, row_sq in zip(
@@ -235,6 +237,21 @@ class HFGenerator:
         ).last_hidden_state[:, -1]
         softcap = self.softcap if model is self.model else logit_softcap(model)
         return head_logits(hidden, self._heads[id(model)], fp32_head=self.fp32_head, softcap=softcap)
+
+
+@contextlib.contextmanager
+def _eval_mode(*models: nn.Module | None):
+    """Decode with dropout off: the policy module is shared with the trainer, which leaves it in train mode, and a
+    dropout layer (LoRA's, GPT-2's) would draw from torch's global generator -- sampling would no longer be a
+    function of (seed, key) alone, and an evaluation would move the random state a checkpoint saves."""
+    modes = [(m, m.training) for m in models if m is not None]
+    for m, _ in modes:
+        m.eval()
+    try:
+        yield
+    finally:
+        for m, was in modes:
+            m.train(was)
 
 
 def _processed(logits: Tensor, params: SamplingParams) -> Tensor:

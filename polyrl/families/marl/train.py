@@ -291,7 +291,10 @@ def train_marl(cfg: MarlTrainConfig, method: MarlMethod, *, run_dir: str | Path,
         g.set_state(state["rng"])
         start, history = state["step"], state["history"]
         check_resume_steps(cfg.steps, start, run_dir)
-        _cut_metrics(run_dir, start)
+        final_eval = start % cfg.eval_every != 0  # the segment evaluated at its last step; the unbroken run does not
+        _cut_metrics(run_dir, start, drop_eval=final_eval)
+        if final_eval:
+            history = [_without_eval(r) if r["step"] == start else r for r in history]
     dist = train_dist(cfg)
     logger = RunLogger(run_dir, tensorboard=cfg.tensorboard, console=console, table_every=table_every,
                        history=history)
@@ -329,8 +332,13 @@ def train_marl(cfg: MarlTrainConfig, method: MarlMethod, *, run_dir: str | Path,
     return {**summary, "history": hist}
 
 
-def _cut_metrics(run_dir: Path, step: int) -> None:
-    """Drop metrics.jsonl rows after ``step`` (logged by an attempt that died before its next checkpoint)."""
+def _without_eval(row: dict) -> dict:
+    return {k: v for k, v in row.items() if not k.startswith("eval/")}
+
+
+def _cut_metrics(run_dir: Path, step: int, *, drop_eval: bool = False) -> None:
+    """Drop metrics.jsonl rows after ``step`` (logged by an attempt that died before its next checkpoint); with
+    ``drop_eval`` also the eval/* of ``step``'s row (a final evaluation off the --eval-every schedule)."""
     import json
 
     path = run_dir / "metrics.jsonl"
@@ -342,6 +350,8 @@ def _cut_metrics(run_dir: Path, step: int) -> None:
             row = json.loads(line)
         except ValueError:
             continue
-        if row.get("step", 0) <= step:
+        if row.get("step", 0) < step or (row.get("step", 0) == step and not drop_eval):
             kept.append(line)
+        elif row.get("step", 0) == step:
+            kept.append(json.dumps(_without_eval(row)))
     path.write_text("".join(k + "\n" for k in kept))

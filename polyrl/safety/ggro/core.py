@@ -199,11 +199,12 @@ class _Segment:
 @torch.no_grad()
 def _decode_segment(lm, prefix: list[int], start: int, params: SamplingParams, uniforms: Tensor, stop: set[int],
                     entropy_threshold: float, min_tokens: int, bias: Tensor | None, conf: Tensor | None,
-                    match_logit_norm: bool) -> _Segment:
+                    match_logit_norm: bool, weight: float = 1.0) -> _Segment:
     """Decode from ``prefix`` (completion step ``start``) until a token drawn from a distribution with entropy
     ``>= H*`` (after ``min_tokens``), a stop token or the length cap. ``bias`` [L, V] is added at segment
     position i < L to the processed logits (so filtered tokens stay filtered), scaled per position by
-    ``conf[i] * ||logits_i|| / ||b_i||`` when ``match_logit_norm``."""
+    ``weight * conf[i]`` and, when ``match_logit_norm``, by ``||logits_i|| / ||b_i||`` first (spec 11: rescaled to the
+    logit norm, then w multiplies -- rescaling after w would cancel it)."""
     ids = list(prefix)
     seg = _Segment([], [], [], False)
     for step in range(start, params.max_new_tokens):
@@ -216,7 +217,7 @@ def _decode_segment(lm, prefix: list[int], start: int, params: SamplingParams, u
                 finite = torch.where(torch.isfinite(logits), logits, torch.zeros_like(logits))
                 bn = b.norm()
                 b = b * (finite.norm() / bn) if bn > 0 else b
-            drawn = logits + conf[i] * b
+            drawn = logits + weight * conf[i] * b
         if params.temperature == 0:
             token = int(drawn.argmax())
             logp = float(logits.log_softmax(-1)[token])
@@ -279,7 +280,7 @@ def ggro_decode(lm, rm: RewardOnEmbeds, prompt_ids: list[int], *, embed: Tensor,
         seen: set[tuple[int, ...]] = set()
         for r in range(num_refinements):
             seg = _decode_segment(lm, prefix, start, params, uniforms, stop, entropy_threshold, min_segment_tokens,
-                                  bias, conf, match_logit_norm)
+                                  bias, conf, match_logit_norm, nudge_weight)
             cost = cost + Compute(lm_passes=len(seg.tokens), lm_tokens=len(seg.tokens))
             if tuple(seg.tokens) in seen:
                 break
@@ -308,7 +309,7 @@ def ggro_decode(lm, rm: RewardOnEmbeds, prompt_ids: list[int], *, embed: Tensor,
             g, y = grad[pos], full[pos]
             scores = g.gather(1, top_ids) - g.gather(1, y[:, None])
             nudge_ids, conf = select_nudges(scores, top_ids, nudge_temp)
-            bias = embedding_distance_bias(nudge_ids, embed, weight=nudge_weight)
+            bias = embedding_distance_bias(nudge_ids, embed)  # nudge_weight multiplies after the rescaling
         assert best is not None
         reward = best_reward if best_reward > -math.inf else None
         nudges += int(best_index > 0)
