@@ -54,6 +54,9 @@ def test_overrides_keep_other_parameters_and_revalidate():
     (lambda: get_flow_method("fpo", reduce="mean"), "reduce = 'mean' has no effect with loss 'fpo'"),
     (lambda: build_flow_method("x", advantage="grpo", loss="flow_clip", cfm_samples=3),
      "cfm_samples = 3 does not apply to loss 'flow_clip'"),
+    (lambda: get_flow_method("flow_dppo", sde_steps=-1), "sde_steps = -1 must be an integer >= 0"),
+    (lambda: get_flow_method("flow_dppo", sde_steps=3, sde_window=0), "sde_window = 0.0 is out of range"),
+    (lambda: get_flow_method("flow_dppo", sde_window=0.5), "sde_window = 0.5 has no effect with sde_steps = 0"),
 ])
 def test_bad_values_are_one_line_errors_naming_field_and_value(call, fragment):
     with pytest.raises(PartError) as e:
@@ -104,6 +107,8 @@ def test_pretrain_is_cached(tmp_path):
     (["flow", "train", "--method", "flow_dppo", "--cfm-samples", "5"], "cfm_samples = 5 has no effect"),
     (["flow", "train", "--method", "fpo", "--reduce", "sum"], "reduce = 'sum' has no effect with loss 'fpo'"),
     (["flow", "train", "--groups", "1", "--group-size", "2", "--minibatches", "50"], "minibatches = 50"),
+    (["flow", "train", "--sde-steps", "6", "--sde-window", "0.5"],
+     "sde_steps = 6 is not allowed with sampler_steps = 10 and sde_window = 0.5; allowed: 1 to 5"),
 ])
 def test_cli_errors_are_one_line_exit_2(argv, fragment, capsys):
     assert main(argv) == 2

@@ -16,6 +16,7 @@ from polyrl.families.flow.sampler import (
     gaussian_step_kl,
     replay,
     sample_sde,
+    sde_window,
     step_mean_std,
     timesteps,
 )
@@ -113,3 +114,40 @@ def test_replay_reproduces_rollout_logp_and_mean(schedule):
     assert traj.stochastic[:, -1].all() == (schedule != "cps")
     logp.sum().backward()  # replay carries gradient into the velocity network
     assert net[0].weight.grad is not None and net[0].weight.grad.abs().sum() > 0
+
+
+def test_an_sde_window_draws_its_steps_in_the_window():
+    g = torch.Generator().manual_seed(0)
+    for _ in range(50):
+        mask = sde_window(10, 3, 0.5, g)
+        assert int(mask.sum()) == 3 and not mask[5:].any()
+    assert sde_window(10, 0, 0.5).all()  # 0: every step
+    assert sde_window(7, 4, 0.5, g)[:4].all()  # ceil(0.5 * 7) = 4 steps: all of them
+    with pytest.raises(ValueError, match="does not fit the first 4 of 7"):
+        sde_window(7, 5, 0.5)
+
+
+@pytest.mark.parametrize("schedule", ["flow_grpo", "dance", "cps"])
+def test_steps_outside_the_sde_window_are_the_deterministic_step(schedule):
+    """Outside the window eta = 0: std 0, log-prob 0 (not stochastic, so no loss reads it) and the schedule's
+    deterministic mean (Euler's x + v dt; DDIM's x0_hat (1 - t') + eps_hat t' for cps); replay gives the same."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(3, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2)).double()
+
+    def vel(x, t, c=None):
+        return net(torch.cat([x, t[:, None].to(x.dtype)], -1))
+
+    g = torch.Generator().manual_seed(3)
+    window = torch.tensor([False, True, True, False, False])
+    traj = sample_sde(vel, torch.randn(6, 2, generator=g, dtype=D64), steps=5, schedule=schedule, generator=g,
+                      sde=window)
+    assert torch.equal(traj.stochastic, window.expand(6, 5) & (traj.std > 0))
+    assert traj.stochastic[:, 1:3].all() and (traj.logp[:, ~window] == 0).all()
+    ts = traj.times
+    for k in (0, 3, 4):
+        x, t, tn = traj.states[:, k], ts[k], ts[k + 1]
+        v = vel(x, t.expand(6))
+        want = x + v * (tn - t) if schedule != "cps" else (x - t * v) * (1 - tn) + (x + (1 - t) * v) * tn
+        assert torch.allclose(traj.states[:, k + 1], want, atol=1e-12)
+    logp, mean = replay(vel, traj, eta=0.7, schedule=schedule)
+    assert torch.allclose(logp, traj.logp, atol=1e-10) and torch.allclose(mean, traj.mean, atol=1e-10)

@@ -225,3 +225,27 @@ def test_pretrain_past_the_machines_memory_is_refused_and_run_files_are_what_was
     assert main(["flow", "train", *argv]) == 0
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("run files:"))
     assert "tb/" not in line and "summary.json" in line and "curves.png" in line, line
+
+
+def test_an_sde_window_trains_only_its_noisy_steps():
+    """UniRL's Flow-DPPO recipe (3 noisy steps in the first half of 10): every action has exactly 3 stochastic steps,
+    all in the window, and only they reach the loss (its mask is the stochastic steps)."""
+    from polyrl.families.flow.losses import FLOW_LOSSES
+    from polyrl.families.flow.train import play
+    from polyrl.registry import ADVANTAGES
+
+    task, method = get_task("ring_modes"), get_flow_method("flow_dppo", sde_steps=3, sde_window=0.5)
+    policy, _ = initial_policy(task, 0)
+    traj, _, _ = play(policy, task, method, None, 32, 10, torch.Generator().manual_seed(0))
+    assert (traj.stochastic.sum(-1) == 3).all() and not traj.stochastic[:, 5:].any()
+    seen = []
+    loss = FLOW_LOSSES.fn("flow_dppo")
+
+    def spy(inp, **params):
+        seen.append(inp.mask.clone())
+        return loss(inp, **params)
+
+    cfg = FlowTrainConfig(task="ring_modes", groups=2, group_size=4, minibatches=1, updates_per_batch=1)
+    _train_step(policy, policy, task, method, cfg, torch.optim.Adam(policy.parameters(), lr=1e-3), spy,
+                ADVANTAGES.fn("group_centered_batch_std"), torch.Generator().manual_seed(1))
+    assert len(seen) == 1 and (seen[0].sum(-1) == 3).all()

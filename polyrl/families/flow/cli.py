@@ -8,6 +8,7 @@ when the command is ``flow``); ``check_train_flags`` serves ``polyrl compare --f
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 
 from rich.console import Console
@@ -36,7 +37,12 @@ def _resolve(args: argparse.Namespace):
 
     cfg = _train_config(args)
     method = get_flow_method(args.method, advantage=args.advantage, loss=args.loss, schedule=args.schedule,
-                             eta=args.eta, reduce=args.reduce, cfm_samples=args.cfm_samples)
+                             eta=args.eta, reduce=args.reduce, cfm_samples=args.cfm_samples, sde_steps=args.sde_steps,
+                             sde_window=args.sde_window)
+    span = math.ceil(method.sde_window * cfg.sampler_steps - 1e-9)
+    if method.sde_steps > span:
+        raise ConfigError(f"sde_steps = {method.sde_steps} is not allowed with sampler_steps = {cfg.sampler_steps} "
+                          f"and sde_window = {method.sde_window:g}; allowed: 1 to {span} (the window's steps)")
     if method.schedule == "cps" and cfg.sampler_steps < 2 and not method.needs_cfm:
         # cps's last step is noise-free: with one step a log-prob loss has no step to score (a CFM loss, FPO's,
         # still learns from the initial noise)
@@ -103,8 +109,9 @@ def cmd_flow_methods(args: argparse.Namespace) -> int:
         table.add_column(col, overflow="fold")
     for name in sorted(FLOW_METHODS):
         m = FLOW_METHODS[name]()
-        table.add_row(name, str(m.advantage), str(m.loss), f"{m.schedule} eta={m.eta} reduce={m.reduce}", m.paper,
-                      m.summary)
+        window = f" sde={m.sde_steps} in {m.sde_window:g}" if m.sde_steps else ""
+        table.add_row(name, str(m.advantage), str(m.loss), f"{m.schedule} eta={m.eta} reduce={m.reduce}{window}",
+                      m.paper, m.summary)
     console.print(table)
     return 0
 
@@ -137,6 +144,10 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
                    "step log-probs (not fpo)")
     g.add_argument("--cfm-samples", dest="cfm_samples", type=int, help="(t, eps) pairs per action; only for "
                    "losses tagged cfm (fpo)")
+    g.add_argument("--sde-steps", dest="sde_steps", type=int, help="sampler steps with noise per action, the rest "
+                   "deterministic (std 0, no gradient); 0: every step (the presets)")
+    g.add_argument("--sde-window", dest="sde_window", type=float, help="the noisy steps are drawn among the first "
+                   "fraction of the schedule, from its noise end (with --sde-steps; UniRL's Flow-DPPO: 3 in 0.5)")
 
 
 def check_train_flags(argv: list[str]) -> dict:

@@ -33,6 +33,8 @@ class FlowMethod:
     eta: float = 0.7  # noise level of the schedule
     reduce: str = "mean"  # unit of step log-probs: mean (per dim) | sum
     cfm_samples: int = 0  # (t, eps) pairs stored per action for CFM-ratio losses (FPO); 0 = none
+    sde_steps: int = 0  # sampler steps with noise per action, drawn in the SDE window; 0 = every step
+    sde_window: float = 1.0  # the fraction of the schedule, from its noise end, the noisy steps are drawn in
     paper: str = ""
     summary: str = ""
 
@@ -54,8 +56,8 @@ def _reads(loss: Part, tag: str) -> bool:
 
 
 def build_flow_method(name: str, *, advantage: PartLike, loss: PartLike, schedule: str = "flow_grpo",
-                      eta: float = 0.7, reduce: str = "mean", cfm_samples: int = 0, paper: str = "",
-                      summary: str = "") -> FlowMethod:
+                      eta: float = 0.7, reduce: str = "mean", cfm_samples: int = 0, sde_steps: int = 0,
+                      sde_window: float = 1.0, paper: str = "", summary: str = "") -> FlowMethod:
     """Validate every field and return the FlowMethod (raises PartError with a one-line message)."""
     where = f"flow method {name!r}"
     adv = resolve_part(ADVANTAGES, advantage)
@@ -76,7 +78,18 @@ def build_flow_method(name: str, *, advantage: PartLike, loss: PartLike, schedul
         raise PartError(f"{where}: eta = {eta} is out of range; allowed: > 0")
     if isinstance(cfm_samples, bool) or not isinstance(cfm_samples, int) or cfm_samples < 0:
         raise PartError(f"{where}: cfm_samples = {cfm_samples!r} must be an integer >= 0")
-    method = FlowMethod(name, adv, part, schedule, eta, reduce, cfm_samples, paper, summary)
+    if isinstance(sde_steps, bool) or not isinstance(sde_steps, int) or sde_steps < 0:
+        raise PartError(f"{where}: sde_steps = {sde_steps!r} must be an integer >= 0 (0: every sampler step)")
+    try:
+        sde_window = float(sde_window)
+    except (TypeError, ValueError):
+        raise PartError(f"{where}: sde_window = {sde_window!r} must be a number") from None
+    if not 0.0 < sde_window <= 1.0:
+        raise PartError(f"{where}: sde_window = {sde_window} is out of range; allowed: (0, 1]")
+    if sde_window != 1.0 and not sde_steps:
+        raise PartError(f"{where}: sde_window = {sde_window} has no effect with sde_steps = 0 (every step has "
+                        "noise); allowed: with sde_steps >= 1")
+    method = FlowMethod(name, adv, part, schedule, eta, reduce, cfm_samples, sde_steps, sde_window, paper, summary)
     if method.needs_cfm and cfm_samples < 1:
         raise PartError(f"{where}: loss {part.name!r} needs cfm_samples >= 1, got {cfm_samples}")
     if not method.needs_cfm and cfm_samples:
@@ -120,8 +133,8 @@ def flow_grpo() -> FlowMethod:
 @flow_preset
 def flow_dppo() -> FlowMethod:
     """Flow-DPPO: exact-KL asymmetric mask instead of clipping; group mean, batch std (arXiv:2606.11025). Every
-    sampler step is stochastic and trained, as in the spec's toy experiment (the UniRL SD3.5 recipe samples 3 SDE
-    steps in the first half of 10)."""
+    sampler step is stochastic and trained, as in the spec's toy experiment; the UniRL SD3.5 recipe's 3 noisy steps
+    in the first half of 10 are ``--sde-steps 3 --sde-window 0.5``."""
     return build_flow_method("flow_dppo", advantage="group_centered_batch_std", loss="flow_dppo",
                              paper="arXiv:2606.11025")
 
@@ -152,14 +165,15 @@ def fpo() -> FlowMethod:
 
 
 def get_flow_method(name: str, **overrides: Any) -> FlowMethod:
-    """Preset ``name`` with overrides (advantage, loss, schedule, eta, reduce, cfm_samples), validated.
+    """Preset ``name`` with overrides (advantage, loss, schedule, eta, reduce, cfm_samples, sde_steps, sde_window),
+    validated.
 
     None means "not given". A given ``cfm_samples`` or ``reduce`` that the (final) loss does not read is refused.
     """
     if name not in FLOW_METHODS:
         raise unknown("flow method", name, FLOW_METHODS)
     m = FLOW_METHODS[name]()
-    allowed = ("advantage", "loss", "schedule", "eta", "reduce", "cfm_samples")
+    allowed = ("advantage", "loss", "schedule", "eta", "reduce", "cfm_samples", "sde_steps", "sde_window")
     for key in overrides:
         if key not in allowed:
             raise PartError(f"flow method {name!r}: cannot override {key!r}; allowed: {', '.join(allowed)}")
@@ -169,6 +183,7 @@ def get_flow_method(name: str, **overrides: Any) -> FlowMethod:
     _refuse_unread(name, loss, fields)
     # A preset's own cfm_samples (fpo: 8) is dropped when the loss is overridden by one that reads none.
     cfm_samples = m.cfm_samples if _reads(loss, "cfm") else 0
-    base = dict(schedule=m.schedule, eta=m.eta, reduce=m.reduce, cfm_samples=cfm_samples)
+    base = dict(schedule=m.schedule, eta=m.eta, reduce=m.reduce, cfm_samples=cfm_samples, sde_steps=m.sde_steps,
+                sde_window=m.sde_window)
     base.update(fields)
     return build_flow_method(m.name, advantage=adv, loss=loss, paper=m.paper, summary=m.summary, **base)

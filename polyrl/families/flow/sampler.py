@@ -64,7 +64,7 @@ def gaussian_step_kl(mean_p: Tensor, mean_q: Tensor, std: Tensor | float, reduce
     return _reduce((mean_p - mean_q) ** 2 / (2 * s**2), reduce)
 
 
-def step_mean_std(x: Tensor, v: Tensor, t: Tensor | float, t_next: Tensor | float, *, eta: float,
+def step_mean_std(x: Tensor, v: Tensor, t: Tensor | float, t_next: Tensor | float, *, eta: Tensor | float,
                   schedule: Schedule, t_clamp: float = 0.99) -> tuple[Tensor, Tensor]:
     """Mean [N, *] and std [N] of the Gaussian step x_t -> x_{t_next} for one noise schedule.
 
@@ -72,15 +72,18 @@ def step_mean_std(x: Tensor, v: Tensor, t: Tensor | float, t_next: Tensor | floa
       m = x + [v + sigma_t^2/(2t) (x + (1-t) v)] dt, s = sigma_t sqrt(|dt|).
     dance (arXiv:2505.07818): the same with a constant sigma_t = eta.
     cps (arXiv:2509.05952): s = t_next sin(eta pi/2); m = x0_hat (1 - t_next) + eps_hat sqrt(t_next^2 - s^2).
+    ``eta`` may differ per row ([N]); eta = 0 is the deterministic step of each schedule (the Euler ODE step for
+    flow_grpo and dance, DDIM's for cps), with std 0.
     """
     t = torch.as_tensor(t, dtype=x.dtype, device=x.device).reshape(-1)
     t_next = torch.as_tensor(t_next, dtype=x.dtype, device=x.device).reshape(-1)
     t, t_next = t.expand(x.shape[0]), t_next.expand(x.shape[0])
+    eta = torch.as_tensor(eta, dtype=x.dtype, device=x.device).reshape(-1).expand(x.shape[0])
     col = [-1] + [1] * (x.dim() - 1)
     tc, tn = t.reshape(col), t_next.reshape(col)
     eps_hat = x + (1 - tc) * v
     if schedule == "cps":
-        s = t_next * math.sin(eta * math.pi / 2)
+        s = t_next * torch.sin(eta * (math.pi / 2))
         x0_hat = x - tc * v
         mean = x0_hat * (1 - tn) + eps_hat * (tn**2 - s.reshape(col) ** 2).clamp_min(0).sqrt()
         return mean, s
@@ -89,7 +92,7 @@ def step_mean_std(x: Tensor, v: Tensor, t: Tensor | float, t_next: Tensor | floa
         tt = t.clamp(max=t_clamp)
         sigma = eta * (tt / (1 - tt)).sqrt()
     elif schedule == "dance":
-        sigma = torch.full_like(t, eta)
+        sigma = eta.clone()
     else:
         raise ValueError(f"schedule = {schedule!r}; allowed: {', '.join(SCHEDULES)}")
     sig2 = sigma.reshape(col) ** 2
@@ -97,7 +100,7 @@ def step_mean_std(x: Tensor, v: Tensor, t: Tensor | float, t_next: Tensor | floa
     return mean, sigma * (-dt).clamp_min(0).sqrt()
 
 
-def flow_sde_step(x: Tensor, v: Tensor, t: Tensor | float, t_next: Tensor | float, *, eta: float,
+def flow_sde_step(x: Tensor, v: Tensor, t: Tensor | float, t_next: Tensor | float, *, eta: Tensor | float,
                   schedule: Schedule, generator: torch.Generator | None = None, prev_sample: Tensor | None = None,
                   reduce: Reduce = "mean", t_clamp: float = 0.99) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Take one SDE step (or score a given ``prev_sample``): returns (x_next, logp [N], mean, std [N]).
@@ -136,6 +139,7 @@ class Trajectory:
     mean: Tensor  # [N, S, D] step means under the sampling policy
     std: Tensor  # [N, S] step stds (0 for deterministic steps)
     context: Tensor | None  # [N, C] conditioning vector (the "prompt"), None when unconditional
+    sde: Tensor | None = None  # [N, S] bool: steps sampled with noise (an SDE window); None: every step
 
     @property
     def samples(self) -> Tensor:
@@ -152,32 +156,50 @@ class Trajectory:
         return self.times[1:] - self.times[:-1]
 
 
+def sde_window(steps: int, count: int, window: float, generator: torch.Generator | None = None) -> Tensor:
+    """[steps] bool: ``count`` distinct steps drawn uniformly among the first ceil(``window`` * steps) of the
+    schedule (from the noise end), the rest deterministic; ``count`` 0: every step (MixGRPO / UniRL's SDE window,
+    whose Flow-DPPO recipe is 3 of 10 in the first half). Training draws one per sampling call: a batch's actions of
+    one environment step share it."""
+    mask = torch.zeros(steps, dtype=torch.bool)
+    if count == 0:
+        return mask | True
+    span = math.ceil(window * steps - 1e-9)
+    if not 1 <= count <= span:
+        raise ValueError(f"sde_steps = {count} does not fit the first {span} of {steps} sampler steps")
+    mask[torch.randperm(span, generator=generator)[:count]] = True
+    return mask
+
+
 @torch.no_grad()
 def sample_sde(velocity: VelocityFn, noise: Tensor, *, context: Tensor | None = None, steps: int = 10,
                eta: float = 0.7, schedule: Schedule = "flow_grpo", reduce: Reduce = "mean", shift: float = 1.0,
-               generator: torch.Generator | None = None) -> Trajectory:
-    """Sample N trajectories from initial ``noise`` [N, D] with the SDE sampler; no gradient."""
+               generator: torch.Generator | None = None, sde: Tensor | None = None) -> Trajectory:
+    """Sample N trajectories from initial ``noise`` [N, D] with the SDE sampler; no gradient. ``sde`` [steps] bool
+    (``sde_window``): the steps that get noise, the others deterministic (std 0); None: every step."""
     ts = timesteps(steps, shift=shift).to(noise.dtype)
     x, states, logps, means, stds = noise, [noise], [], [], []
     for k in range(steps):
         t = ts[k].expand(x.shape[0])
         v = velocity(x, t, context)
-        x, lp, m, s = flow_sde_step(x, v, ts[k], ts[k + 1], eta=eta, schedule=schedule, generator=generator,
+        step_eta = eta if sde is None else eta * float(sde[k])
+        x, lp, m, s = flow_sde_step(x, v, ts[k], ts[k + 1], eta=step_eta, schedule=schedule, generator=generator,
                                     reduce=reduce)
         states.append(x)
         logps.append(lp)
         means.append(m)
         stds.append(s)
     return Trajectory(states=torch.stack(states, 1), times=ts, logp=torch.stack(logps, 1),
-                      mean=torch.stack(means, 1), std=torch.stack(stds, 1), context=context)
+                      mean=torch.stack(means, 1), std=torch.stack(stds, 1), context=context,
+                      sde=None if sde is None else sde.expand(noise.shape[0], steps).clone())
 
 
 def replay(velocity: VelocityFn, traj: Trajectory, *, eta: float, schedule: Schedule,
            reduce: Reduce = "mean") -> tuple[Tensor, Tensor]:
     """Step log-probs [N, S] and means [N, S, D] of the stored transitions under ``velocity`` (with grad).
 
-    All N*S states go through the network in one batch. Std depends only on the times, so it is
-    the stored one.
+    All N*S states go through the network in one batch. Std depends only on the times (and on which steps had
+    noise, ``traj.sde``), so it is the stored one.
     """
     n, s1, d = traj.states.shape
     steps = s1 - 1
@@ -186,7 +208,8 @@ def replay(velocity: VelocityFn, traj: Trajectory, *, eta: float, schedule: Sche
     t_next = traj.times[1:].repeat(n)
     ctx = None if traj.context is None else traj.context.repeat_interleave(steps, 0)
     v = velocity(x, t, ctx)
-    _, logp, mean, _ = flow_sde_step(x, v, t, t_next, eta=eta, schedule=schedule,
+    row_eta = eta if traj.sde is None else eta * traj.sde.reshape(-1).to(x.dtype)
+    _, logp, mean, _ = flow_sde_step(x, v, t, t_next, eta=row_eta, schedule=schedule,
                                      prev_sample=traj.states[:, 1:].reshape(n * steps, d), reduce=reduce)
     return logp.reshape(n, steps), mean.reshape(n, steps, d)
 

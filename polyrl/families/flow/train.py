@@ -30,7 +30,7 @@ from polyrl.families import lower
 from polyrl.families.flow.losses import FLOW_LOSSES, FlowLossInputs, fpo_cfm_losses, step_kl
 from polyrl.families.flow.methods import FlowMethod
 from polyrl.families.flow.policy import VelocityMLP, pretrain
-from polyrl.families.flow.sampler import Trajectory, replay, sample_sde
+from polyrl.families.flow.sampler import Trajectory, replay, sample_sde, sde_window
 from polyrl.families.flow.tasks import get_task
 from polyrl.logging import RunLogger, plot_curves, write_summary
 from polyrl.registry import ADVANTAGES
@@ -96,6 +96,8 @@ def run_record(cfg: FlowTrainConfig, method: FlowMethod) -> dict[str, Any]:
     in ``summary.json``)."""
     parts = {"advantage": str(method.advantage), "loss": str(method.loss), "schedule": method.schedule,
              "eta": method.eta, "reduce": method.reduce, "cfm_samples": method.cfm_samples}
+    if method.sde_steps:  # only then: a run with noise at every step keeps the record it had before the setting
+        parts.update(sde_steps=method.sde_steps, sde_window=method.sde_window)
     return {"config": asdict(cfg), "method": method.name, "parts": parts}
 
 
@@ -139,14 +141,16 @@ def _cat(trajs: list[Trajectory]) -> Trajectory:
     if len(trajs) == 1:
         return trajs[0]
     ctx = None if trajs[0].context is None else torch.cat([t.context for t in trajs])
+    sde = None if trajs[0].sde is None else torch.cat([t.sde for t in trajs])
     return Trajectory(states=torch.cat([t.states for t in trajs]), times=trajs[0].times,
                       logp=torch.cat([t.logp for t in trajs]), mean=torch.cat([t.mean for t in trajs]),
-                      std=torch.cat([t.std for t in trajs]), context=ctx)
+                      std=torch.cat([t.std for t in trajs]), context=ctx, sde=sde)
 
 
 def _index(traj: Trajectory, idx: Tensor) -> Trajectory:
     return Trajectory(states=traj.states[idx], times=traj.times, logp=traj.logp[idx], mean=traj.mean[idx],
-                      std=traj.std[idx], context=None if traj.context is None else traj.context[idx])
+                      std=traj.std[idx], context=None if traj.context is None else traj.context[idx],
+                      sde=None if traj.sde is None else traj.sde[idx])
 
 
 def play(policy, task, method: FlowMethod, contexts: Tensor | None, n: int, steps: int,
@@ -155,8 +159,9 @@ def play(policy, task, method: FlowMethod, contexts: Tensor | None, n: int, step
 
     def act(obs: Tensor | None, count: int) -> Trajectory:
         noise = torch.randn(count, task.dim, generator=generator)
+        sde = sde_window(steps, method.sde_steps, method.sde_window, generator) if method.sde_steps else None
         return sample_sde(policy, noise, context=obs, steps=steps, eta=method.eta, schedule=method.schedule,
-                          reduce=method.reduce, generator=generator)
+                          reduce=method.reduce, generator=generator, sde=sde)
 
     trajs, rewards = task.episode(act, contexts, n, generator)
     return _cat(trajs), rewards, len(trajs)
