@@ -158,6 +158,7 @@ def resolve_train(args: argparse.Namespace, *, claim: Callable[[str], None] | No
     except (ValueError, FileNotFoundError, KeyError) as e:
         raise ConfigError(f"task = {cfg.task!r}: {e}") from None
     where = check_combinations(cfg, method, task)
+    method = _channel_weights(cfg, method, notes)
     if cfg.scale.device == "auto" and where.type == "cuda":
         notes.append("device = 'auto': training on the GPU (--device cpu keeps it on the CPU)")
     try:
@@ -277,6 +278,23 @@ def _processes_from_launcher(cfg: TrainConfig, given: bool) -> None:
     cfg.scale.nproc = local_processes()
 
 
+def _channel_weights(cfg: TrainConfig, method, notes: list[str]):
+    """``method`` with a per-channel advantage's (GDPO's) channel weights taken from --reward-weights: it normalises
+    each channel on its own and reads no weighted total, so the weights must reach it as its own."""
+    from polyrl.objectives import override
+    from polyrl.registry import ADVANTAGES
+    from polyrl.tasks.rewards import parse_reward_specs
+
+    specs, weights = parse_reward_specs(cfg.reward_funcs, cfg.reward_weights)
+    spec = method.advantage
+    if "channels" not in ADVANTAGES.spec(spec.name).tags or len(specs) < 2 or weights is None \
+            or spec.params.get("weights"):
+        return method
+    given = ";".join(f"{w:g}" for w in weights)
+    notes.append(f"advantage {spec.name!r}: channel weights {given} from reward_weights")
+    return override(method, advantage=f"{spec.name}:weights={given}")
+
+
 def check_combinations(cfg: TrainConfig, method, task):
     """Refuse, in one line naming both sides, a setting that the method, the task or another setting makes moot;
     return the device the training processes will use (``pick_device``).
@@ -312,6 +330,16 @@ def check_combinations(cfg: TrainConfig, method, task):
         raise ConfigError(f"sampler = 'tree' needs a group advantage estimator and no group filters; method "
                           f"{method.name!r} has advantage {adv!r} and filters "
                           f"{[f.name for f in method.filters]} (try --advantage grpo --filter none)")
+    specs, weights = parse_reward_specs(cfg.reward_funcs, cfg.reward_weights)
+    if "channels" in ADVANTAGES.spec(adv).tags and len(specs) > 1:  # GDPO reads each channel's raw reward
+        own = method.advantage.params.get("weights", "")
+        if weights is not None and own and [float(w) for w in own.replace(";", ",").split(",")] != weights:
+            raise ConfigError(f"reward_weights = {cfg.reward_weights!r} is not allowed with advantage {adv!r} "
+                              f"weights = {own!r}: it weights the channels itself; give the weights once")
+        if method.shapers:
+            raise ConfigError(f"shapers {[s.name for s in method.shapers]} are not allowed with advantage {adv!r} "
+                              "over several reward channels: it normalises each channel's unshaped reward (drop "
+                              "--shaper, or use --advantage grpo on the weighted, shaped total)")
     if cfg.sampler == "tree" and "channels" in ADVANTAGES.spec(adv).tags and cfg.reward_funcs:
         raise ConfigError(f"sampler = 'tree' is not allowed with advantage {adv!r} and reward_funcs: tree groups "
                           "are compared on the summed reward, so its per-channel normalisation would be lost; use "

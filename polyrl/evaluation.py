@@ -43,15 +43,16 @@ class Evaluator:
         if self.arbiter is not None:
             self.arbiter.set_step(step)
         rewards = greedy_rewards(self.runner, self.task, self.prompts, self.max_new_tokens, seed=step)
-        out, solved = {"eval/accuracy": float(np.mean(rewards))}, [succeeded(r) for r in rewards]
+        solved = [succeeded(r) for r in rewards]  # a score above 1/2, as everywhere (score.succeeded)
+        out = {"eval/accuracy": float(np.mean(solved)), "eval/reward_mean": float(np.mean(rewards))}
         if solved_before is not None and len(solved_before) == len(rewards):
             for key, start in (("eval/retained", True), ("eval/gained", False)):
                 if start in solved_before:
                     out[key] = float(np.mean([now for now, was in zip(solved, solved_before) if was == start]))
         if self.arbiter is not None:  # the standalone learner too
             beta, self.arbiter.beta = self.arbiter.beta, 0.0
-            out["eval/learner_accuracy"] = float(np.mean(greedy_rewards(self.runner, self.task, self.prompts,
-                                                                        self.max_new_tokens, seed=step)))
+            alone = greedy_rewards(self.runner, self.task, self.prompts, self.max_new_tokens, seed=step)
+            out["eval/learner_accuracy"] = float(np.mean([succeeded(r) for r in alone]))
             out["eval/agency_beta"], self.arbiter.beta = beta, beta
         return out, solved
 

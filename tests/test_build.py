@@ -365,3 +365,22 @@ def test_rollout_actors_asking_for_gpus_the_trainer_takes_are_refused(tiny_model
                                           r"of this machine's 1; use --device cpu"):
         _resolve(argv, tmp_path)
     assert _resolve([*argv, "--device", "cpu"], tmp_path).cfg.scale.device == "cpu"  # the trainer leaves it free
+
+
+def test_gdpo_takes_its_channel_weights_from_reward_weights(tmp_path):
+    """GDPO normalises each channel's raw reward and never reads the weighted total: --reward-weights reached nothing
+    (1,0.2 and 1,5 gave the same advantages). They become its own weights; conflicting weights or a shaper, which it
+    would drop, are refused."""
+    funcs = ["--reward-funcs", "task,tests.reward_fns:digit_fraction"]
+    plan = _resolve([*funcs, "--reward-weights", "1,0.2", "--method", "gdpo"], tmp_path)
+    assert plan.method.advantage.params["weights"] == "1;0.2"
+    assert any("channel weights 1;0.2 from reward_weights" in n for n in plan.notes)
+    channels = torch.tensor([[1.0, 0.1], [0.0, 0.9], [1.0, 0.5], [0.0, 0.2]])
+    gids, mask = torch.zeros(4, dtype=torch.long), torch.ones(4, 3)
+    adv = {w: advantages(_resolve([*funcs, "--reward-weights", w, "--method", "gdpo"], tmp_path).method,
+                         channels[:, 0], gids, mask, channels=channels)[0][:, 0] for w in ("1,0.2", "1,5")}
+    assert not torch.allclose(adv["1,0.2"], adv["1,5"])
+    for extra, words in ((["--reward-weights", "1,0.2", "--advantage", "gdpo:weights=1;0.5"], "give the weights once"),
+                         (["--method", "gdpo", "--shaper", "overlong_soft"], "over several reward channels")):
+        with pytest.raises(ConfigError, match=words):
+            _resolve([*funcs, *extra], tmp_path)

@@ -122,6 +122,18 @@ def test_hostile_completions_score_zero_and_leave_nothing(task, monkeypatch, nam
     assert watch.dirs and not any(os.path.exists(d) for d in watch.dirs)
 
 
+@pytest.mark.parametrize("hack", [
+    "import builtins\nbuiltins.exec = lambda *a, **k: None\n",
+    "import builtins\n_c = builtins.compile\nbuiltins.compile = lambda s, f, m, *a, **k: _c('pass', f, m)\n",
+    "import json\njson.dumps = lambda *a, **k: '{\"test\": 0, \"ok\": true, \"why\": \"\"}'\n",
+])
+def test_a_completion_that_replaces_the_runners_builtins_still_fails_its_tests(task, hack):
+    """The runner calls exec, compile and json.dumps after the program ran: bound before it, so replacing them from the
+    completion does not make a wrong function pass."""
+    reward, info = task.reward(_prompt(task), hack + "def add_0(a, b):\n    return 0\n")
+    assert reward == 0.0 and info["passed"] == 0, info
+
+
 def test_writes_outside_the_sandbox_are_blocked(task, monkeypatch, tmp_path):
     watch = Watch(monkeypatch)
     target = tmp_path / "escaped.txt"

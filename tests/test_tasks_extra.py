@@ -21,6 +21,12 @@ def test_countdown_checker_accepts_any_valid_expression():
             evaluate_expression(bad, [3, 7, 25, 2] if "**" in bad else [3, 7, 25])
     with pytest.raises(CountdownError, match="every number"):
         evaluate_expression("3+7", [3, 7, 25], use_all=True)
+    # deep nesting made the parser or the evaluator raise RecursionError / MemoryError, which stopped training
+    for deep in ("-" * 1000 + "5", "1+" * 1000 + "1", "-" * 100_000, "(" * 300 + "3" + ")" * 300):
+        with pytest.raises(CountdownError):
+            evaluate_expression(deep, [3, 7, 25])
+    task = CountdownTask()
+    assert task.reward(task.prompts("train", 1, seed=0)[0], "1+" * 1000 + "1")[0] == 0.0
 
 
 def test_countdown_prompts_are_solvable_deterministic_and_disjoint():
@@ -47,6 +53,17 @@ def test_countdown_prompts_are_solvable_deterministic_and_disjoint():
     for p in train[:30]:
         nums = [int(x) for x in p.text.split(":")[0].split()]
         assert reachable(nums, Fraction(int(p.answer))), p.text
+
+
+def test_the_held_out_prompts_are_as_many_distinct_ones_as_asked():
+    """Countdown draws a prompt twice now and then: 200 asked gave 199 distinct ones, and the build said the split
+    held no more. Repeats are dropped and more drawn."""
+    from polyrl.tasks.base import held_out_prompts
+
+    for n in (200, 1000):
+        got = held_out_prompts(CountdownTask(), n)
+        assert len(got) == n == len({p.id for p in got})
+    assert held_out_prompts(CountdownTask(), 200) == held_out_prompts(CountdownTask(), 200)
 
 
 def test_countdown_reward():
@@ -79,6 +96,28 @@ def test_math_task_from_jsonl_and_parquet(tmp_path):
     pq.write_table(pa.table({"problem": [r["question"] for r in rows], "solution": [r["answer"] for r in rows]}),
                    tmp_path / "m.parquet")
     assert len(MathTask(str(tmp_path / "m.parquet"), heldout_percent=0).prompts("train", 61, 0)) == 61
+
+
+def test_math_references_in_bare_latex_or_json_floats_are_read_whole(tmp_path):
+    """An answer column holds bare LaTeX (math-verify reads LaTeX only inside $...$ or \\boxed{}: 2\\sqrt{3} was 2
+    and \\sqrt{2} nothing) and JSON numbers (1e-05 was the string '1e-05', read as 1)."""
+    rows = [{"question": q, "answer": a} for q, a in [
+        ("root two?", "\\sqrt{2}"), ("two root three?", "2\\sqrt{3}"), ("ten to the ten?", "10^{10}"),
+        ("three quarters?", "\\dfrac{3}{4}"), ("small?", 1e-05), ("big?", 1.5e20), ("boxed?", "\\boxed{7}")]]
+    _write_jsonl(tmp_path / "m.jsonl", rows)
+    task = MathTask(str(tmp_path / "m.jsonl"), heldout_percent=0)
+    by_q = {p.text.split("\n")[0]: p for p in task.prompts("train", len(rows), 0)}
+
+    def reward(question, completion):
+        return task.reward(next(p for t, p in by_q.items() if question in t), completion)[0]
+
+    assert reward("root two?", "\\boxed{\\sqrt{2}}") == 1.0
+    assert reward("two root three?", "2") == 0.0 and reward("two root three?", "\\boxed{2\\sqrt{3}}") == 1.0
+    assert reward("ten to the ten?", "10") == 0.0 and reward("ten to the ten?", "\\boxed{10^{10}}") == 1.0
+    assert reward("three quarters?", "0.75") == 1.0
+    assert reward("small?", "0.00001") == 1.0 and reward("small?", "1") == 0.0
+    assert reward("big?", "150000000000000000000") == 1.0 and reward("big?", "1.5") == 0.0
+    assert reward("boxed?", "7") == 1.0
 
 
 def test_math_task_names_a_missing_column(tmp_path):

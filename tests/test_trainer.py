@@ -291,7 +291,22 @@ def test_evaluation_splits_accuracy_into_retained_and_gained():
     evaluate = Evaluator(runner, task, prompts, 8)
     out, solved = evaluate(5, solved_before=[True, True, False, False])
     assert solved == [False, True, True, False]
-    assert out == {"eval/accuracy": 0.5, "eval/retained": 0.5, "eval/gained": 0.5}
+    assert out == {"eval/accuracy": 0.5, "eval/reward_mean": 0.5, "eval/retained": 0.5, "eval/gained": 0.5}
     out, _ = evaluate(5, solved_before=[True, True, True, False])
     assert out["eval/retained"] == pytest.approx(2 / 3) and out["eval/gained"] == 0.0
-    assert set(evaluate(0)[0]) == {"eval/accuracy"}
+    assert set(evaluate(0)[0]) == {"eval/accuracy", "eval/reward_mean"}
+
+
+def test_accuracy_counts_a_partly_right_answer_as_every_success_count_does():
+    """A score of 2/3 (a code problem passing 2 of 3 asserts) is one success: eval/accuracy 1 where retained and gained
+    said solved; the mean score is eval/reward_mean. (Accuracy was the mean score: 0.667 beside gained 1.0.)"""
+    from types import SimpleNamespace
+
+    from polyrl.evaluation import Evaluator
+
+    task = SimpleNamespace(reward=lambda prompt, text: (float(text), {}))
+    runner = SimpleNamespace(sample=lambda ps, params: [SimpleNamespace(prompt_index=i, text=t)
+                                                        for i, t in enumerate(("0.6667", "0.25"))])
+    out, solved = Evaluator(runner, task, ["p", "q"], 8)(1, solved_before=[False, False])
+    assert solved == [True, False] and out["eval/accuracy"] == 0.5 == out["eval/gained"]
+    assert out["eval/reward_mean"] == pytest.approx((0.6667 + 0.25) / 2)

@@ -22,16 +22,25 @@ _OPS = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: lamb
         ast.Div: lambda a, b: a / b}
 
 
+MAX_CHARS = 500  # the longest expression evaluated (see evaluate_expression)
+
+
 class CountdownError(ValueError):
     """The completion is not a valid Countdown expression (the message says why)."""
 
 
 def evaluate_expression(expr: str, numbers: list[int], *, use_all: bool = False) -> Fraction:
-    """Evaluate ``expr`` exactly; raise CountdownError if it uses other numbers, repeats one or has other syntax."""
+    """Evaluate ``expr`` exactly; raise CountdownError if it uses other numbers, repeats one or has other syntax.
+
+    An expression over ``MAX_CHARS`` characters is refused before it is parsed: no Countdown answer needs that many,
+    and deep nesting (a run of unary minus signs, "1+1+...") makes the parser and the evaluator recurse past
+    Python's limit or run out of memory."""
+    if len(expr.strip()) > MAX_CHARS:
+        raise CountdownError(f"expression of {len(expr.strip())} characters; at most {MAX_CHARS}")
     try:
         tree = ast.parse(expr.strip(), mode="eval")
-    except SyntaxError:
-        raise CountdownError(f"not an arithmetic expression: {expr!r}") from None
+    except (SyntaxError, RecursionError, MemoryError, ValueError):  # ValueError: a null byte
+        raise CountdownError(f"not an arithmetic expression: {expr[:60]!r}") from None
     used: list[int] = []
 
     def ev(node: ast.AST) -> Fraction:
@@ -45,7 +54,10 @@ def evaluate_expression(expr: str, numbers: list[int], *, use_all: bool = False)
             return Fraction(node.value)
         raise CountdownError(f"only integers, + - * / and parentheses are allowed, got {ast.dump(node)[:40]}")
 
-    value = ev(tree.body)
+    try:
+        value = ev(tree.body)
+    except RecursionError:
+        raise CountdownError("expression nested too deeply") from None
     have, need = Counter(numbers), Counter(used)
     if any(need[n] > have[n] for n in need):
         raise CountdownError(f"uses numbers {sorted(used)} not available in {sorted(numbers)}")

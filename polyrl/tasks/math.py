@@ -20,10 +20,12 @@ completion's answer equal to the reference (numbers, fractions, LaTeX), else 0.0
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
 import random
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
@@ -202,7 +204,7 @@ class MathTask:
                 text = template.format(question=question)
             pid = hashlib.sha256(question.encode()).hexdigest()
             split = "test" if int(pid[:8], 16) % 100 < heldout_percent else "train"
-            self._pools[split].append(Prompt(id=f"math/{pid[:16]}", text=text, answer=str(row[keys["answer"]]),
+            self._pools[split].append(Prompt(id=f"math/{pid[:16]}", text=text, answer=_answer_text(row[keys["answer"]]),
                                              messages=messages))
         check_splits(self._pools, len(rows), heldout_percent, label=label, key="question")
 
@@ -218,6 +220,23 @@ class MathTask:
         """1.0 when math-verify says the completion's final answer equals the reference."""
         from math_verify import parse, verify
 
-        gold, pred = parse(prompt.answer), parse(completion_text)
+        gold, pred = _gold(prompt.answer), parse(completion_text)
         ok = bool(pred) and bool(verify(gold, pred))
         return (1.0 if ok else 0.0), {"parsed": [str(p) for p in pred][:2]}
+
+
+def _answer_text(value: Any) -> str:
+    """A reference answer as text: a float from JSON in positional notation (str(1e-05) is '1e-05', which math-verify
+    reads as 1), anything else as str()."""
+    if isinstance(value, float) and math.isfinite(value):
+        return format(Decimal(repr(value)), "f")
+    return str(value)
+
+
+@functools.lru_cache(maxsize=65536)
+def _gold(answer: str) -> list:
+    """The parsed reference. A data file's answer column is usually bare LaTeX (``2\\sqrt{3}``), which math-verify
+    reads only inside $...$ or \\boxed{} (bare, it read 2, or nothing for ``\\sqrt{2}``): bare answers are wrapped."""
+    from math_verify import parse
+
+    return parse(answer if "$" in answer or "\\boxed" in answer else f"${answer}$")
