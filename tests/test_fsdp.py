@@ -39,6 +39,9 @@ SETTINGS = dict(lr=1e-2, weight_decay=0.01, warmup_steps=1, max_grad_norm=1.0, t
 # last shard padded), a critic step on row shards. Once: 3 micro-batches with pi_old (and its top-K) from the update.
 CASES = [(9, 2, 2, False, 0, True), (5, 2, 1, True, 3, False)]
 STEP = (9, 2, 1, False, 0, True)  # one optimizer step over 5 micro-batches, with a critic (checkpoint tests)
+# Shared prompts on, groups of 3 rows in micro-batches of 2: rows 0-1 share a prompt, rows 2-3 none (rank 1's first
+# pass), so the two ranks would run the base model a different number of times and hang in FSDP's all-gathers.
+SHARED = (7, 2, 1, True, 0, False)
 
 
 @pytest.fixture(scope="module")
@@ -94,30 +97,35 @@ def _entry(rank: int, world: int, gpu: bool, fn, port: int, *args) -> None:
 # the same models, batches and updates in every process
 
 
-def _models(model_dir: str, critic: bool, reference: bool):
+def _models(model_dir: str, critic: bool, reference: bool, dtype: torch.dtype = torch.float32):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True, dtype=dtype)
     ref = copy.deepcopy(model).eval().requires_grad_(False) if reference else None
     return model, ref, ValueHead(copy.deepcopy(model)) if critic else None
 
 
-def _learner(model_dir: str, *, mbs: int, critic: bool = False, reference: bool = False, sharded: bool):
-    model, ref, crit = _models(model_dir, critic, reference)
+def _learner(model_dir: str, *, mbs: int, critic: bool = False, reference: bool = False, sharded: bool,
+             share: bool = False, dtype: torch.dtype = torch.float32):
+    model, ref, crit = _models(model_dir, critic, reference, dtype)
     kind = LocalLearner
     if sharded:
         from polyrl.learner.fsdp import FSDPLearner as kind
     return kind(model, micro_batch_size=mbs, reference=ref, ref_sync_every=1 if reference else 0, critic=crit,
-                **SETTINGS)
+                share_prompts=share, **SETTINGS)
 
 
-def _scored(learner, B: int, *, seed: int, reuse_old: bool, T: int = 6, P: int = 5) -> Scored:
+def _scored(learner, B: int, *, seed: int, reuse_old: bool, T: int = 6, P: int = 5, shared: bool = False) -> Scored:
+    """``shared``: the rows of each group of 3 share their group's first prompt (a GRPO batch)."""
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(4, 60, (B, P + T), generator=g)
     lengths = torch.randint(1, T + 1, (B,), generator=g)  # (a micro-batch without any completion token has no
     lengths[0] = T  # gradient at all: completion_logprobs' output is then a constant)
     comp = (torch.arange(T)[None] < lengths[:, None]).float()
     attn = torch.cat([(torch.arange(P)[None] >= torch.randint(0, 3, (B, 1), generator=g)).long(), comp.long()], 1)
+    if shared:
+        first = torch.arange(B) // 3 * 3
+        ids[:, :P], attn[:, :P] = ids[first, :P], attn[first, :P]
     tb = TokenBatch(ids, attn, comp, -torch.rand(B, T, generator=g) * comp, comp.clone(),
                     torch.zeros(B, T, dtype=torch.long))
     adv = torch.randn(B, generator=g)[:, None].expand(B, T).clone()
@@ -149,10 +157,10 @@ class _Recorder:
         return self.norms[-1]
 
 
-def _update(learner, method, case, seed: int, zero_rows: tuple[int, ...] = ()) -> dict:
-    """``zero_rows``: these rows get A = 0 and run forward only (skip_zero_adv)."""
+def _update(learner, method, case, seed: int, zero_rows: tuple[int, ...] = (), shared: bool = False) -> dict:
+    """``zero_rows``: these rows get A = 0 and run forward only (skip_zero_adv); ``shared``: see ``_scored``."""
     B, mbs, minibatches, reuse_old, topk, _ = case
-    s = _scored(learner, B, seed=seed, reuse_old=reuse_old)
+    s = _scored(learner, B, seed=seed, reuse_old=reuse_old, shared=shared)
     s.adv[list(zero_rows)] = 0.0
     rec = _Recorder(learner)
     metrics = update_policy(rec, method, s, SimpleNamespace(bad_steps=0, skipped_total=0), epochs=1,
@@ -216,6 +224,10 @@ def _updates(model_dir: str, aggregations: list[str]) -> dict:
     # rows 1 and 3 forward only: 2 micro-batches with a gradient (one per rank), then 1 without (rank 1: None pass)
     results["zero_adv"] = _update(_learner(model_dir, mbs=2, sharded=True), _method("token_mean"), CASES[1], seed=5,
                                   zero_rows=(1, 3))
+    results["shared"] = _update(_learner(model_dir, mbs=2, sharded=True, share=True), _method("token_mean"), SHARED,
+                                seed=11, shared=True)
+    results["bf16_critic"] = _update(_learner(model_dir, mbs=2, critic=True, sharded=True, dtype=torch.bfloat16),
+                                     _method("token_mean"), CASES[1][:5] + (True,), seed=12)
     return results
 
 
@@ -247,6 +259,16 @@ def _check_updates(run: dict, tiny_model: str) -> None:
                     zero_rows=(1, 3))
     assert local["metrics"]["perf/forward_only_frac"] == sharded["zero_adv"]["metrics"]["perf/forward_only_frac"] == 0.4
     _close(sharded["zero_adv"], local, 1e-4, "forward-only zero-advantage rows")
+    for share in (False, True):  # shared prompts on 2 ranks whose micro-batches share differently: the same update
+        local = _update(_learner(tiny_model, mbs=2, sharded=False, share=share), _method("token_mean"), SHARED,
+                        seed=11, shared=True)
+        _close({k: v for k, v in sharded["shared"].items() if k != "params"},
+               {k: v for k, v in local.items() if k != "params"}, 1e-5, f"shared prompts (local share={share})")
+        _close(sharded["shared"]["params"], local["params"], 1e-4, "shared prompts: weights")
+    # a float32 value head on a bfloat16 backbone (ppo --dtype bfloat16): FSDP2 refused to shard it at all
+    bf16 = sharded["bf16_critic"]
+    assert torch.isfinite(torch.tensor(bf16["metrics"]["objective/loss"]))
+    assert bf16["critic"]["head.weight"].abs().sum() > 0  # zero at the start: the critic took its step
 
 
 # ---------------------------------------------------------------------------------------------------------------------

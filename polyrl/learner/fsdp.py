@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import types
 import warnings
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,7 @@ from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard, register_fsdp_forward_method
+from torch.distributed.tensor import DTensor
 
 from polyrl.batch import TokenBatch
 from polyrl.learner import dist as pdist
@@ -55,6 +57,7 @@ from polyrl.learner.sharded import is_sharded, load_sharded, load_unsharded, sav
 from polyrl.model import TokenLogprobs, completion_logprobs
 from polyrl.objectives.value import clipped_value_loss
 from polyrl.rollout.generator import Sample
+from polyrl.shared_prompt import distinct_prompts
 from polyrl.types import Normalizer
 
 SCORE = "polyrl_score"  # the FSDP forward method that runs completion_logprobs on a sharded causal LM
@@ -74,6 +77,7 @@ def shard_module(module: nn.Module, mesh: DeviceMesh, *, scorer: bool) -> nn.Mod
     for sub in list(module.modules()):
         if sub is not module and type(sub).__name__ in blocks:
             fully_shard(sub, mesh=mesh)
+    _shard_other_dtypes(module, mesh)
     fully_shard(module, mesh=mesh)
     for sub in module.modules():
         if isinstance(sub, FSDPModule):
@@ -83,6 +87,24 @@ def shard_module(module: nn.Module, mesh: DeviceMesh, *, scorer: bool) -> nn.Mod
         setattr(module, SCORE, types.MethodType(_score, module))
         register_fsdp_forward_method(module, SCORE)
     return module
+
+
+def _shard_other_dtypes(module: nn.Module, mesh: DeviceMesh) -> None:
+    """Give each submodule whose own parameters have another dtype than most of the root's unit (by size) a unit of
+    its own: FSDP2 flattens a unit's parameters together and refuses mixed dtypes (a float32 value head on a
+    bfloat16 backbone)."""
+    loose = [p for p in module.parameters() if not isinstance(p, DTensor)]  # not in a block's unit already
+    sizes = Counter()
+    for p in loose:
+        sizes[p.dtype] += p.numel()
+    if len(sizes) < 2:
+        return
+    common = sizes.most_common(1)[0][0]
+    for sub in list(module.modules()):
+        own = list(sub.parameters(recurse=False))
+        if sub is not module and own and not any(isinstance(p, DTensor) for p in own) and \
+                all(p.dtype != common for p in own):
+            fully_shard(sub, mesh=mesh)
 
 
 class FSDPLearner:
@@ -130,9 +152,21 @@ class FSDPLearner:
         """(logp, entropy, topk_ids, topk_logp) of ``batch`` on the CPU, computed on this rank's device."""
         b = batch.to(self.device)
         ids = None if topk_ids is None else topk_ids.to(self.device)
+        sampling = {**self.sampling, "share_prompts": self._all_share(b)}
         parts = getattr(model, SCORE)(b.input_ids, b.attention_mask, b.completion_mask, fp32_head=self.fp32_head,
-                                      topk=0 if ids is not None else topk, topk_ids=ids, **self.sampling)
+                                      topk=0 if ids is not None else topk, topk_ids=ids, **sampling)
         return TokenLogprobs(*parts).cpu()  # differentiable: backward flows to this rank's device
+
+    def _all_share(self, b: TokenBatch) -> bool:
+        """Whether this pass runs shared prompts on every rank. A shared-prompt forward calls the base model twice
+        (prompts, then completions on their cache), the plain one once, and each call all-gathers every block: ranks
+        that decided apart, from micro-batches of their own, issued different collectives and hung. One all-reduce
+        per pass settles it (every rank runs as many passes); if any rank's rows share nothing, none shares."""
+        if not self.sampling["share_prompts"]:
+            return False
+        width = b.completion_mask.shape[1]
+        mine = width > 1 and distinct_prompts(b.input_ids, b.attention_mask, width) is not None
+        return int(pdist.all_sum(torch.tensor([0.0 if mine else 1.0]))) == 0
 
     def _critic(self, batch: TokenBatch) -> Tensor:
         """Critic values of ``batch`` on the CPU. ValueHead returns a view (``squeeze``), which FSDP2 warns about in
