@@ -92,3 +92,25 @@ def step_rows(run) -> list[int]:
     import json
 
     return [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def tiny_learner(model_dir: str, *, top_k: int = 0):
+    """A LocalLearner on ``model_dir`` for ``update_policy`` tests: lr 1e-2, no warm-up or weight decay, one pass of
+    up to 8 rows; ``top_k`` its sampling filter."""
+    from polyrl.learner.local import LocalLearner
+    from polyrl.model import load_policy
+
+    torch.manual_seed(0)
+    model, _ = load_policy(model_dir, threads=1)
+    return LocalLearner(model, lr=1e-2, weight_decay=0.0, warmup_steps=0, max_grad_norm=10.0, temperature=1.0,
+                        top_p=1.0, top_k=top_k, fp32_head=False, micro_batch_size=8)
+
+
+def random_batch(B: int, P: int, T: int, generator: torch.Generator):
+    """A TokenBatch of B rows: P random prompt tokens, T random completion tokens that all count, random rollout
+    log-probs."""
+    from polyrl.batch import TokenBatch
+
+    comp = torch.ones(B, T)
+    return TokenBatch(torch.randint(4, 30, (B, P + T), generator=generator), torch.ones(B, P + T).long(), comp,
+                      -torch.rand(B, T, generator=generator), comp.clone(), torch.zeros(B, T, dtype=torch.long))

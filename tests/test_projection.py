@@ -325,22 +325,15 @@ def test_later_epochs_compare_the_policy_on_pi_olds_top_k_support(tiny_model, pr
     from types import SimpleNamespace
 
     import polyrl.update as update
-    from polyrl.batch import TokenBatch
-    from polyrl.learner.local import LocalLearner
     from polyrl.methods import get_method
-    from polyrl.model import load_policy
     from polyrl.objectives import override
+    from tests.helpers import random_batch, tiny_learner
 
     method = get_method(preset) if trust_region is None else override(get_method(preset), trust_region=trust_region)
-    torch.manual_seed(0)
-    model, _ = load_policy(tiny_model, threads=1)
-    learner = LocalLearner(model, lr=1e-2, weight_decay=0.0, warmup_steps=0, max_grad_norm=10.0, temperature=1.0,
-                           top_p=1.0, top_k=0, fp32_head=False, micro_batch_size=8)
+    learner = tiny_learner(tiny_model)
     g = torch.Generator().manual_seed(3)
     B, P, T = 8, 4, 6
-    comp = torch.ones(B, T)
-    tb = TokenBatch(torch.randint(4, 30, (B, P + T), generator=g), torch.ones(B, P + T).long(), comp,
-                    -torch.rand(B, T, generator=g), comp.clone(), torch.zeros(B, T, dtype=torch.long))
+    tb = random_batch(B, P, T, g)
     old = learner.logprobs_nograd(tb, topk=4)
     adv = torch.randn(B, generator=g)[:, None].expand(B, T).clone()
     scored = update.Scored(tb=tb, mask=tb.loss_mask, adv=adv, group_ids=torch.arange(B) // 4,

@@ -86,10 +86,9 @@ def test_a_worker_killed_mid_call_loses_nothing(models, plain, tmp_path, monkeyp
     assert [r["reward/mean"] for r in killed] == [r["reward/mean"] for r in plain]
 
 
-def test_a_stopped_driver_resumes_exactly_with_workers_on_a_fresh_instance(models, plain, tmp_path, monkeypatch):
-    task, method = AdditionTask(), get_method("grpo")
-    # the driver dies after its step-2 checkpoint (stopped while collecting step 3) ...
-    run = tmp_path / "resumed"
+def _stopped_at_step_3(monkeypatch, cfg, model_dir: str, run) -> None:
+    """Train ``cfg`` into ``run`` until the driver is stopped (KeyboardInterrupt) while it collects step 3, after its
+    step-2 checkpoint."""
     real_collect = GroupSource.collect
 
     def die_at_step_3(self, method, stream, step):
@@ -99,8 +98,15 @@ def test_a_stopped_driver_resumes_exactly_with_workers_on_a_fresh_instance(model
 
     monkeypatch.setattr(GroupSource, "collect", die_at_step_3)
     with pytest.raises(KeyboardInterrupt):
-        train(_cfg(run), method, model_dir=models[0], task=task, run_dir=str(run), console=QUIET)
+        train(cfg, get_method("grpo"), model_dir=model_dir, task=AdditionTask(), run_dir=str(run), console=QUIET)
     monkeypatch.undo()
+
+
+def test_a_stopped_driver_resumes_exactly_with_workers_on_a_fresh_instance(models, plain, tmp_path, monkeypatch):
+    task, method = AdditionTask(), get_method("grpo")
+    # the driver dies after its step-2 checkpoint (stopped while collecting step 3) ...
+    run = tmp_path / "resumed"
+    _stopped_at_step_3(monkeypatch, _cfg(run), models[0], run)
     assert not ray.is_initialized()  # the run stopped its Ray instance on the way out
     # ... and resumes from it with new workers on a fresh Ray instance
     train(_cfg(run, resume=True), method, model_dir=models[0], task=task, run_dir=str(run), console=QUIET)
@@ -117,18 +123,7 @@ def test_an_asynchronous_run_resumes_exactly(models, tmp_path, monkeypatch):
     train(_cfg(unbroken, async_staleness=2, rollout_workers=1), method, model_dir=models[0], task=task,
           run_dir=str(unbroken), console=QUIET)
     run = tmp_path / "resumed"
-    real_collect = GroupSource.collect
-
-    def die_at_step_3(self, method, stream, step):
-        if step == 3:
-            raise KeyboardInterrupt
-        return real_collect(self, method, stream, step)
-
-    monkeypatch.setattr(GroupSource, "collect", die_at_step_3)
-    with pytest.raises(KeyboardInterrupt):
-        train(_cfg(run, async_staleness=2, rollout_workers=1), method, model_dir=models[0], task=task,
-              run_dir=str(run), console=QUIET)
-    monkeypatch.undo()
+    _stopped_at_step_3(monkeypatch, _cfg(run, async_staleness=2, rollout_workers=1), models[0], run)
     train(_cfg(run, async_staleness=2, rollout_workers=1, resume=True), method, model_dir=models[0], task=task,
           run_dir=str(run), console=QUIET)
     keys = ("reward/mean", "async/staleness_max", "async/staleness_mean", "objective/loss", "rollout/mean_len")

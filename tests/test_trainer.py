@@ -209,22 +209,28 @@ def test_zero_grad_by_quarter_counts_clipped_tokens_by_position():
     assert zero_grad_by_quarter(out.surrogate, logp, mask, adv * 0)[1].sum() == 0  # A = 0 is not "clipped"
 
 
-def test_guard_rolls_back_to_last_checkpoint_and_lowers_lr(tiny_model, tmp_path, monkeypatch):
-    import polyrl.guard as guard_mod
+def _collapse_once(when):
+    """A stand-in for CollapseMonitor that reports one collapse, the first time ``when(step, metrics)`` holds."""
 
-    class CollapseOnceAtStep3:
+    class CollapseOnce:
         fired = False
 
         def __init__(self, rule):
             pass
 
         def update(self, step, metrics):
-            if step == 3 and not CollapseOnceAtStep3.fired:
-                CollapseOnceAtStep3.fired = True
+            if when(step, metrics) and not CollapseOnce.fired:
+                CollapseOnce.fired = True
                 return "eval/accuracy fell below half its best"
             return None
 
-    monkeypatch.setattr(guard_mod, "CollapseMonitor", CollapseOnceAtStep3)
+    return CollapseOnce
+
+
+def test_guard_rolls_back_to_last_checkpoint_and_lowers_lr(tiny_model, tmp_path, monkeypatch):
+    import polyrl.guard as guard_mod
+
+    monkeypatch.setattr(guard_mod, "CollapseMonitor", _collapse_once(lambda step, metrics: step == 3))
     cfg = _cfg(steps=5, guard=True, checkpoint_every=2, guard_lr_factor=0.5, lr=1e-3)
     summary = train(cfg, get_method("grpo"), model_dir=tiny_model, task=_task(), run_dir=str(tmp_path), console=QUIET)
     assert summary["steps"] == 5
@@ -255,19 +261,8 @@ def test_the_guard_judges_the_final_evaluation(tiny_model, tmp_path, monkeypatch
     the final checkpoint, which would otherwise save the collapsed weights as the resume point."""
     import polyrl.guard as guard_mod
 
-    class CollapseOnFinalEval:
-        fired = False
-
-        def __init__(self, rule):
-            pass
-
-        def update(self, step, metrics):
-            if step == 4 and "eval/accuracy" in metrics and not CollapseOnFinalEval.fired:
-                CollapseOnFinalEval.fired = True
-                return "eval/accuracy fell below half its best"
-            return None
-
-    monkeypatch.setattr(guard_mod, "CollapseMonitor", CollapseOnFinalEval)
+    monkeypatch.setattr(guard_mod, "CollapseMonitor",
+                        _collapse_once(lambda step, metrics: step == 4 and "eval/accuracy" in metrics))
     cfg = _cfg(steps=4, guard=True, checkpoint_every=2, eval_every=0, lr=1e-3)
     summary = train(cfg, get_method("grpo"), model_dir=tiny_model, task=_task(), run_dir=str(tmp_path), console=QUIET)
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]

@@ -6,26 +6,20 @@ from types import SimpleNamespace
 
 import torch
 
-from polyrl.batch import TokenBatch
-from polyrl.learner.local import LocalLearner
 from polyrl.methods import get_method
-from polyrl.model import load_policy
 from polyrl.update import Scored, update_policy
+from tests.helpers import random_batch, tiny_learner
 
 
 def test_a_token_outside_the_trainers_top_k_leaves_the_loss_instead_of_skipping_the_step(tiny_model):
     """The sampler and the trainer filter top-k / top-p from logits that differ by rounding (bfloat16: by far more):
     a sampled token at the edge can come back -inf. Before, its nan loss skipped the whole step; now it leaves the
     loss, counted in objective/outside_support_frac, and the other tokens train."""
-    torch.manual_seed(0)
-    model, _ = load_policy(tiny_model, threads=1)
-    learner = LocalLearner(model, lr=1e-2, weight_decay=0.0, warmup_steps=0, max_grad_norm=10.0, temperature=1.0,
-                           top_p=1.0, top_k=2, fp32_head=False, micro_batch_size=8)
+    learner = tiny_learner(tiny_model, top_k=2)
+    model = learner.model
     g = torch.Generator().manual_seed(1)
     B, P, T = 4, 3, 5
-    comp = torch.ones(B, T)
-    tb = TokenBatch(torch.randint(4, 30, (B, P + T), generator=g), torch.ones(B, P + T).long(), comp,
-                    -torch.rand(B, T, generator=g), comp.clone(), torch.zeros(B, T, dtype=torch.long))
+    tb = random_batch(B, P, T, g)
     with torch.no_grad():  # greedy completions (inside top-2), then row 0's first token the least likely one
         for t in range(T):
             tb.input_ids[:, P + t] = model(input_ids=tb.input_ids[:, :P + t]).logits[:, -1].argmax(-1)

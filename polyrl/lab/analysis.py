@@ -361,7 +361,9 @@ def analyse(
 
 
 def _jsonable(obj: Any) -> Any:
-    """Plain Python containers and numbers; non-finite floats become None."""
+    """Plain Python containers and numbers (numpy arrays as lists); non-finite floats become None."""
+    if isinstance(obj, np.ndarray):
+        return _jsonable(obj.tolist())
     if isinstance(obj, dict):
         return {str(k): _jsonable(v) for k, v in obj.items()}
     if isinstance(obj, list | tuple):

@@ -15,8 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
+from polyrl.lab.analysis import _jsonable
 from polyrl.lab.claim_types import Budget, Claim, check_workers
 
 GENERATED_BY = "polyrl evidence"
@@ -26,29 +25,14 @@ def _budget(claim: Claim, budget: str | Budget) -> Budget:
     return budget if isinstance(budget, Budget) else getattr(claim, budget)
 
 
-def _strict(obj: Any) -> Any:
-    """Plain JSON values: numpy numbers and arrays as Python ones, NaN and infinities as null (JSON has neither; a
-    claim's numbers read back as None, which its decision takes as NaN)."""
-    if isinstance(obj, np.ndarray):
-        return _strict(obj.tolist())
-    if isinstance(obj, dict):
-        return {str(k): _strict(v) for k, v in obj.items()}
-    if isinstance(obj, list | tuple):
-        return [_strict(v) for v in obj]
-    if isinstance(obj, bool | str) or obj is None:
-        return obj
-    if isinstance(obj, int | np.integer):
-        return int(obj)
-    value = float(obj)
-    return value if math.isfinite(value) else None
-
-
 def _dumps(obj: Any, **kw: Any) -> str:
-    return json.dumps(_strict(obj), allow_nan=False, **kw)
+    """JSON text without NaN or infinities (null: JSON has neither; a claim's numbers read back as None, which its
+    decision takes as NaN)."""
+    return json.dumps(_jsonable(obj), allow_nan=False, **kw)
 
 
 def decision_dict(decision: Any) -> dict[str, Any]:
-    return _strict(dataclasses.asdict(decision))
+    return _jsonable(dataclasses.asdict(decision))
 
 
 def _fingerprint(claim: Claim) -> str:
@@ -80,7 +64,7 @@ def run_evidence(ids: list[str], budget: str | Budget, *, workers: int, out: Pat
                 _fingerprint(claim):
             samples = saved["samples"]
         else:
-            samples = _strict(claim.run(b, cdir, workers))  # as a rerun reads them back from samples.json
+            samples = _jsonable(claim.run(b, cdir, workers))  # as a rerun reads them back from samples.json
             spath.write_text(_dumps({"budget": dataclasses.asdict(b), "setup": _fingerprint(claim),
                                      "samples": samples}, indent=1))
         decision = claim.decide(samples)
