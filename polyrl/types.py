@@ -7,7 +7,8 @@ count for the loss.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
+from typing import ClassVar
 
 import torch
 from torch import Tensor
@@ -87,6 +88,23 @@ class LossInputs:
             self.rollout_logp = self.old_logp
         if self.adv.dim() == 1:
             self.adv = self.adv[:, None].expand_as(self.logp)
+
+    # The per-token inputs a part may read (logp too: a token the trainer's filters leave out is -inf there).
+    PADDED: ClassVar[tuple[str, ...]] = ("logp", "old_logp", "rollout_logp", "ref_logp", "adv", "old_topk_logp",
+                                         "rollout_topk_logp")
+
+    def padding_zeroed(self) -> LossInputs:
+        """The same inputs with 0 wherever mask == 0. Parts mask their loss, but a padded position's product in the
+        backward (0 * nan) or a batch statistic (BAPO's search) would still carry a nan or inf placed there (an unfilled
+        pi_old slot); ``torch.where`` passes logp's gradient there on as 0, never 0 * nan."""
+        pad = self.mask == 0
+        zeroed = {}
+        for name in self.PADDED:
+            x = getattr(self, name)
+            if x is not None:
+                where = pad if x.dim() == pad.dim() else pad[..., None]
+                zeroed[name] = torch.where(where, torch.zeros((), dtype=x.dtype, device=x.device), x)
+        return replace(self, **zeroed)
 
     def rows(self, index: Tensor | slice) -> LossInputs:
         """The same inputs restricted to some sequences (a micro-batch); the normalizer stays global."""

@@ -6,10 +6,8 @@ With the presets' token ratio anchored to the rollout policy (Method.anchor = "r
 the DPPO, CPPO and DRPO papers ask; anchoring to pi_old gives the papers' "recompute" ablation. The
 top-K variants compare the (K+1)-bucket distributions (K columns + "rest" = 1 - sum) of
 inp.topk_logp (pi_theta) and inp.rollout_topk_logp (mu) whatever the anchor, and take the direction
-(p > q or p < q) from column 0 of those same tensors (the sampled token). The trainer's sampler records only the
-sampled token's log-prob, so the loop passes pi_old's top-K as mu's (tag "rollout_topk"): mu itself when the sampler
-is the policy at the step's weights; with a stale or other sampler (--async-staleness, vLLM) that would be the
-recompute ablation, so those runs are refused. Masks and budgets are
+(p > q or p < q) from column 0 of those same tensors (the sampled token); the loop passes pi_old's top-K as mu's
+(tag "rollout_topk": the sampler records none; a stale one, async or vLLM, is refused). Masks and budgets are
 computed without gradient in float32 or wider; the gradient flows only through r.
 """
 
@@ -99,6 +97,7 @@ _DPPO = dict(  # registration shared by the four DPPO masks
     ranges={"delta_low": ">=0", "delta_high": ">=0", "trunc_c": ">0"},
     tags=("vanilla_at_one", "zero_adv_inert"),
 )
+_DPPO_TOPK = {**_DPPO, "tags": ("vanilla_at_one", "zero_adv_inert", "needs_topk", "rollout_topk")}
 
 
 @TRUST_REGIONS.register("dppo_tv", **_DPPO)
@@ -140,12 +139,8 @@ def dppo_kl(
     return _masked_surrogate(inp, log_ratio, keep, trunc_c)
 
 
-def _topk(
-    inp: LossInputs, log_ratio: Tensor, kind: Literal["tv", "kl"], dl: float, dh: float, c: float | None
-):
-    missing = " and ".join(
-        f"LossInputs.{n}" for n in ("topk_logp", "rollout_topk_logp") if getattr(inp, n) is None
-    )
+def _topk(inp: LossInputs, log_ratio: Tensor, kind: Literal["tv", "kl"], dl: float, dh: float, c: float | None):
+    missing = " and ".join(f"LossInputs.{n}" for n in ("topk_logp", "rollout_topk_logp") if getattr(inp, n) is None)
     if missing:
         raise ValueError(f"trust region 'dppo_topk_{kind}' needs {missing} [B, T, K]")
     div = topk_divergence(inp.topk_logp, inp.rollout_topk_logp, kind)
@@ -153,8 +148,7 @@ def _topk(
     return _masked_surrogate(inp, log_ratio, _direction_keep(inp.adv, div, p, q, dl, dh), c)
 
 
-@TRUST_REGIONS.register("dppo_topk_tv", **{**_DPPO, "tags": ("vanilla_at_one", "zero_adv_inert", "needs_topk",
-                                                                   "rollout_topk")})
+@TRUST_REGIONS.register("dppo_topk_tv", **_DPPO_TOPK)
 def dppo_topk_tv(
     inp: LossInputs,
     log_ratio: Tensor,
@@ -171,8 +165,7 @@ def dppo_topk_tv(
     return _topk(inp, log_ratio, "tv", delta_low, delta_high, trunc_c)
 
 
-@TRUST_REGIONS.register("dppo_topk_kl", **{**_DPPO, "tags": ("vanilla_at_one", "zero_adv_inert", "needs_topk",
-                                                                   "rollout_topk")})
+@TRUST_REGIONS.register("dppo_topk_kl", **_DPPO_TOPK)
 def dppo_topk_kl(
     inp: LossInputs,
     log_ratio: Tensor,
@@ -217,8 +210,7 @@ def cppo_thresholds(
         budget = _row_quantile(d, valid, 0.9).clamp(delta_b, 2.0 * delta_b)[:, None]
     else:
         budget = torch.full_like(n, delta_b)
-    allowance = torch.where(w_prev > 0, budget * w_prev, torch.zeros_like(w_prev))  # inf * 0 at t = 1 would be nan
-    c = (delta + allowance - s_prev).clamp_max(delta)
+    c = (delta + torch.where(w_prev > 0, budget * w_prev, 0.0) - s_prev).clamp_max(delta)  # inf * 0 at t = 1: nan
     return z, torch.where(valid, c, torch.zeros_like(c))
 
 

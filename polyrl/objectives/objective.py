@@ -231,28 +231,9 @@ def _entropy(inp: LossInputs, setting: str) -> Tensor:
     return inp.entropy
 
 
-# The per-token inputs a part may read; policy_loss makes them finite where mask == 0 (logp too: a token the trainer's
-# filters leave out is -inf there, and torch.where passes its gradient on as 0, never 0 * nan).
-_PADDED_FIELDS = ("logp", "old_logp", "rollout_logp", "ref_logp", "adv", "old_topk_logp", "rollout_topk_logp")
-
-
-def _finite_padding(inp: LossInputs) -> LossInputs:
-    """``inp`` with 0 in the per-token inputs where mask == 0. Parts mask their loss, but a padded position's product
-    in the backward (0 * nan) or a batch statistic (BAPO's search) would still carry a nan or inf placed there (an
-    unfilled pi_old slot); zeroing them once here keeps every part's padding out without its own masking."""
-    pad = inp.mask == 0
-    changed = {}
-    for name in _PADDED_FIELDS:
-        x = getattr(inp, name)
-        if x is not None:
-            where = pad if x.dim() == pad.dim() else pad[..., None]
-            changed[name] = torch.where(where, torch.zeros((), dtype=x.dtype, device=x.device), x)
-    return replace(inp, **changed)
-
-
 def policy_loss(inp: LossInputs, method: Method) -> LossOutput:
     """Compose the method's parts into this micro-batch's loss (to be minimised) and metrics."""
-    inp = _finite_padding(inp)
+    inp = inp.padding_zeroed()  # a nan or inf placed where mask == 0 reaches no part
     anchor_logp = inp.rollout_logp if method.anchor == "rollout" else inp.old_logp
     log_ratio = _call(RATIOS, method.ratio, inp.logp, anchor_logp, inp.mask, inp.segment_ids, inp.turn_ids)
     per_token, tr_metrics = _call(TRUST_REGIONS, method.trust_region, inp, log_ratio)

@@ -2,10 +2,9 @@
 
 Each function takes ``(inp: LossInputs, log_ratio [B, T])`` and keyword settings, and returns
 ``(per_token_loss [B, T], metrics)`` where the loss is to be *minimised* and metrics are detached
-0-dim tensors (the composition prefixes them with ``objective/``). Masking and aggregation happen
-in the composition, not here. Log-ratios are clamped to [-20, 20] before ``exp`` so gradients stay
-finite. Convention (verl's clamp too): beyond |log rho| = 20 a token has no gradient, even where the trust region
-would keep one (PPO with A < 0 and rho > 1 + eps_high, whose dual clip is off); inside it the regions are exact.
+0-dim tensors (the composition prefixes them with ``objective/``). Masking and aggregation happen in the
+composition, not here. Log-ratios are clamped to [-20, 20] before ``exp`` so gradients stay finite; convention
+(verl's too): past |log rho| = 20 a token has no gradient, even where the region keeps one.
 """
 
 from __future__ import annotations
@@ -102,16 +101,15 @@ def _unit_mean(x: Tensor, mask: Tensor, ids: Tensor | None) -> Tensor:
 
 
 @TRUST_REGIONS.register("cispo", paper="arXiv:2506.13585", ranges=_EPS, tags=_V1)
-def cispo(
-    inp: LossInputs, log_ratio: Tensor, *, eps_high: float = 0.2, eps_low: float | None = None
-) -> tuple[Tensor, dict[str, Tensor]]:
+def cispo(inp: LossInputs, log_ratio: Tensor, *, eps_high: float = 0.2,
+          eps_low: float | None = None) -> tuple[Tensor, dict[str, Tensor]]:
     """Clip the detached importance weight and keep every token's gradient (CISPO, MiniMax-M1).
 
     arXiv:2506.13585. Gradient surrogate l_t = -sg(r_hat) A (1 + log rho - sg(log rho)), r_hat = clip(rho,
     1 - eps_low, 1 + eps_high): value -r_hat A, gradient exactly -r_hat A grad lp (none through the clip).
     Convention: the cap is 1 + eps_high (paper form, verl, slime); TRL and ms-swift cap at eps_high itself
-    (their 5.0 is our eps_high=4.0). eps_low=None: no lower bound (the paper's effectively infinite eps_low).
-    eps_high = 0.2: [unverified] (the paper's value was not found in any source read).
+    (their 5.0 is our eps_high=4.0). eps_low=None: no lower bound (the paper's effectively infinite eps_low);
+    eps_high = 0.2 [unverified].
     """
     ratio = log_ratio.detach().clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
     low = None if eps_low is None else 1.0 - eps_low
@@ -226,8 +224,7 @@ def humanline(
     arXiv:2509.24207. z_t = clamp(log rho_t, log_eps_p, log_eps_r), zero gradient outside the band for both
     signs of A; l_t = -min(e^z A, clip(e^z, 1 - eps_low, 1 + eps_high) A). Convention: the band is applied to
     the method's log-ratio. Humanline's synced reference doubles as pi_old (HALOs), so the preset syncs the
-    reference every step and anchors to pi_old; then lp - lp_ref == this log-ratio. Band and clip defaults:
-    HALOs' (log eps_P = -1, log eps_R = 1.5, grpo.yaml eps 0.01).
+    reference every step and anchors to pi_old; then lp - lp_ref == this log-ratio. Defaults: HALOs' (eps 0.01).
     """
     z = log_ratio.clamp(log_eps_p, log_eps_r)
     loss, metrics = clip(inp, z, eps_low=eps_low, eps_high=eps_high)
