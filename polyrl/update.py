@@ -173,8 +173,12 @@ def update_policy(learner: Learner, method: Method, s: Scored, counters: UpdateC
                 old_topk = cut(s.old_topk)
                 # A sampled token this pass's top-k / top-p filter leaves out has log-prob -inf: the sampler's logits
                 # differ from these by rounding (bfloat16: by far more) at the filter's edge, or another policy chose
-                # it (agency). It has no gradient; it leaves the loss, counted, instead of making it nan.
-                outside = ~torch.isfinite(cur.logp.detach()) & (cut(mask) > 0)
+                # it (agency); pi_old's or the reference's filter may have left it out before an update moved the
+                # policy. It leaves the loss, counted, instead of making it nan (or a ratio of +inf).
+                outside = ~torch.isfinite(cur.logp.detach()) | ~torch.isfinite(cut(s.old_logp))
+                if s.ref_logp is not None:
+                    outside |= ~torch.isfinite(cut(s.ref_logp))
+                outside &= cut(mask) > 0
                 micro_mask = cut(mask) * ~outside
                 inputs = LossInputs(
                     logp=cur.logp, old_logp=cut(s.old_logp), adv=cut(s.adv), mask=micro_mask, normalizer=norm,

@@ -126,10 +126,12 @@ def test_hostile_completions_score_zero_and_leave_nothing(task, monkeypatch, nam
     "import builtins\nbuiltins.exec = lambda *a, **k: None\n",
     "import builtins\n_c = builtins.compile\nbuiltins.compile = lambda s, f, m, *a, **k: _c('pass', f, m)\n",
     "import json\njson.dumps = lambda *a, **k: '{\"test\": 0, \"ok\": true, \"why\": \"\"}'\n",
+    "import sys, os\nr = sys.modules['__main__'].report\nr.write('{\"test\": 0, \"ok\": true, \"why\": \"\"}\\n')\n"
+    "r.write('{\"done\": true}\\n'); r.flush(); os._exit(0)\n",
 ])
 def test_a_completion_that_replaces_the_runners_builtins_still_fails_its_tests(task, hack):
     """The runner calls exec, compile and json.dumps after the program ran: bound before it, so replacing them from the
-    completion does not make a wrong function pass."""
+    completion does not make a wrong function pass; nor does writing to the report found in the runner's globals."""
     reward, info = task.reward(_prompt(task), hack + "def add_0(a, b):\n    return 0\n")
     assert reward == 0.0 and info["passed"] == 0, info
 

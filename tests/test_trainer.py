@@ -305,3 +305,24 @@ def test_accuracy_counts_a_partly_right_answer_as_every_success_count_does():
     out, solved = Evaluator(runner, task, ["p", "q"], 8)(1, solved_before=[False, False])
     assert solved == [True, False] and out["eval/accuracy"] == 0.5 == out["eval/gained"]
     assert out["eval/reward_mean"] == pytest.approx((0.6667 + 0.25) / 2)
+
+
+def test_a_resume_says_when_the_held_out_prompts_changed(tiny_model, tmp_path):
+    """A checkpoint from another version (countdown's held-out split grew from 199 to 200 distinct prompts) holds which
+    prompts the start solved for another set: retained/gained cannot be computed, and the resume says so."""
+    train(_cfg(steps=2, checkpoint_every=1), get_method("grpo"), model_dir=tiny_model, task=_task(),
+          run_dir=str(tmp_path), console=QUIET)
+    path = tmp_path / "checkpoints" / "step_000002" / "trainer_state.pt"
+    blob = torch.load(path, weights_only=False)
+    blob["state"]["solved_before"] = blob["state"]["solved_before"][:-1]
+    torch.save(blob, path)
+    from polyrl.checkpoint import _sha256  # the checkpoint's own record of the file, as that version saved it
+
+    meta = json.loads((path.parent / "meta.json").read_text())
+    meta["files"]["trainer_state.pt"] = _sha256(path)
+    (path.parent / "meta.json").write_text(json.dumps(meta))
+    out = io.StringIO()
+    train(_cfg(steps=3, resume=True), get_method("grpo"), model_dir=tiny_model, task=_task(), run_dir=str(tmp_path),
+          console=Console(file=out, width=200))
+    assert "8 held-out prompts now, 7 when the run started: eval/retained and eval/gained are not logged" in \
+        out.getvalue()

@@ -38,3 +38,23 @@ def test_a_token_outside_the_trainers_top_k_leaves_the_loss_instead_of_skipping_
     assert metrics["objective/outside_support_frac"] == float(outside.sum()) / (B * T)
     assert all(torch.isfinite(p).all() for p in model.parameters())
     assert any(not torch.equal(p, q) for p, q in zip(model.parameters(), before))
+
+
+def test_a_token_outside_pi_olds_top_k_stays_out_after_the_policy_moved(tiny_model):
+    """pi_old computed before the update (several epochs): a token its top-2 left out has old log-prob -inf. After an
+    optimizer step the policy's own top-2 may keep it: it must stay out of the loss (a ratio of +inf made CISPO's and
+    CE-GPPO's loss nan and skipped every later step of the batch)."""
+    learner = tiny_learner(tiny_model, top_k=2)
+    tb = random_batch(8, 3, 5, torch.Generator().manual_seed(2))  # random tokens: many outside top-2
+    old = learner.logprobs_nograd(tb).logp
+    assert (~torch.isfinite(old)).any()
+    B, T = old.shape
+    for method in ("cispo", "ce_gppo"):
+        counters = SimpleNamespace(bad_steps=0, skipped_total=0)
+        scored = Scored(tb=tb, mask=tb.loss_mask, adv=torch.randn(B, generator=torch.Generator().manual_seed(3))[
+            :, None].expand(B, T).clone(), group_ids=torch.arange(B) // 4,
+            segment_ids=torch.zeros(B, T, dtype=torch.long), old_logp=old.clone(), old_topk=None, ref_logp=None)
+        metrics = update_policy(learner, get_method(method), scored, counters, epochs=4, minibatches=1,
+                                micro_batch_size=8, horizon=T, topk=0, reuse_old=False, seed=0, max_bad_steps=10)
+        assert counters.skipped_total == 0, method
+        assert abs(metrics["objective/loss"]) < 10 and metrics["objective/outside_support_frac"] > 0

@@ -25,8 +25,10 @@ Limits (the defaults below, each overridable per call):
 The temporary directory is removed afterwards. Test results come back as JSON lines on a file descriptor
 the runner keeps from before the program starts (the program's own stdout and stderr go to /dev/null), one
 line per test as it finishes, so tests that ran before a crash or a time-out still count. The sandbox guards
-the host; it does not stop a completion written to forge the runner's report (it would have to find that
-descriptor on purpose).
+the host. What the runner calls after the program (exec, compile, json.dumps, the report's write) is bound before
+it, and the report is in none of the runner's globals, so replacing a builtin or reading ``__main__`` forges
+nothing; a completion written to find the descriptor's number, or the runner's frame, on purpose still could: it
+would have to target this runner.
 """
 
 from __future__ import annotations
@@ -61,10 +63,16 @@ for name, soft, hard in (("RLIMIT_CPU", lim["cpu"], lim["cpu"] + 1), ("RLIMIT_AS
                          ("RLIMIT_FSIZE", lim["fsize"], lim["fsize"]), ("RLIMIT_NPROC", lim["nproc"], lim["nproc"]),
                          ("RLIMIT_CORE", 0, 0)):
     resource.setrlimit(getattr(resource, name), (soft, hard))  # SIGXCPU at soft, SIGKILL at hard
-report = os.fdopen(os.dup(1), "w", buffering=1)
-null = os.open(os.devnull, os.O_RDWR)
-os.dup2(null, 0); os.dup2(null, 1); os.dup2(null, 2)
-sys.stdin = sys.stdout = sys.stderr = open(os.devnull, "w")
+
+def isolate():
+    """The report's file (a copy of stdout), then stdin, stdout and stderr to /dev/null: the report is held by
+    main's frame only, never a global."""
+    report = os.fdopen(os.dup(1), "w", buffering=1)
+    null = os.open(os.devnull, os.O_RDWR)
+    os.dup2(null, 0); os.dup2(null, 1); os.dup2(null, 2)
+    sys.stdin = sys.stdout = sys.stderr = open(os.devnull, "w")
+    return report
+
 root = os.path.realpath(os.getcwd())
 BLOCKED = ("os.fork", "os.forkpty", "os.system", "os.exec", "os.posix_spawn", "os.spawn", "os.kill", "os.killpg",
            "os.startfile", "os.setsid", "os.setuid", "os.setgid", "os.chroot", "subprocess.Popen", "pty.spawn",
@@ -99,10 +107,12 @@ def hook(event, args):
             if i < len(args) and outside(args[i]):
                 raise PermissionError(f"sandbox: {event} on {args[i]!r} outside the sandbox is not allowed")
 
-def main(tests, program, exec=exec, compile=compile, dumps=json.dumps, write=report.write, flush=report.flush,
-         exit=os._exit, BaseException=BaseException, type=type, str=str, enumerate=enumerate):
+def main(tests, program, report, exec=exec, compile=compile, dumps=json.dumps, exit=os._exit,
+         BaseException=BaseException, type=type, str=str, enumerate=enumerate):
     # What runs after the program is bound here, before it: replacing builtins.exec (or compile, json.dumps) from
     # the completion would otherwise turn every test into a pass.
+    write, flush = report.write, report.flush
+    sys.addaudithook(hook)  # after isolate(), which opens /dev/null for writing
     namespace = {"__name__": "__main__", "__builtins__": __builtins__}
     try:
         exec(compile(program, "<completion>", "exec"), namespace)
@@ -125,8 +135,7 @@ def main(tests, program, exec=exec, compile=compile, dumps=json.dumps, write=rep
 
 tests, program = job["tests"], job["program"]
 del job
-sys.addaudithook(hook)
-main(tests, program)
+main(tests, program, isolate())  # the report is in no global the program can reach (sys.modules["__main__"])
 '''
 
 
