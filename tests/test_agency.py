@@ -283,3 +283,27 @@ def test_evaluating_the_mixture_is_the_same_in_every_run(models):
     first, again = evaluate(3)[0], evaluate(3)[0]
     assert first == again
     assert evaluate(4)[0]["eval/reward_mean"] != first["eval/reward_mean"]  # another step draws other coins
+
+
+def test_the_baseline_share_counts_the_trained_samples_only():
+    """A filter (overlong_filter) leaves a sample in the batch with keep False: its baseline tokens are not trained,
+    and counting them over the kept samples' tokens gave a share of 3.67 at beta = 1."""
+    import types
+
+    from polyrl.rollout.agency.arbiter import AgencySource
+    from polyrl.rollout.generator import Sample
+
+    class Arbiter:  # beta = 1: the baseline chose every token
+        beta = 1.0
+
+        def set_step(self, step):
+            return 1.0
+
+    def sample(n):
+        return Sample(0, [1], list(range(n)), [0.0] * n, "length" if n == 8 else "stop", "", baseline_tokens=n)
+
+    class Inner:
+        def collect(self, method, stream, step):
+            return types.SimpleNamespace(samples=[sample(3), sample(8)], keep=torch.tensor([True, False]), stats={})
+
+    assert AgencySource(Inner(), Arbiter()).collect(None, None, 0).stats["agency/baseline_share"] == 1.0

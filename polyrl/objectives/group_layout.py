@@ -48,10 +48,13 @@ def advantages(method: Method, rewards: Tensor, group_ids: Tensor, mask: Tensor,
                              "(SamplingParams.sum_pi_sq), which only the uniform hf sampler records")
         extra = (sum_pi_sq.double(), sampled_logp.double())
     if tree is not None:
-        seq = rewards.double()
-        if token_rewards is not None:
+        seq = sib = rewards.double()
+        if token_rewards is not None:  # a sibling group compares what follows its branch point: the shared prefix's
+            after = torch.arange(mask.shape[1])[None, :] >= tree.branch_at[:, None]  # KL is left out of every member
             seq = seq + (token_rewards * mask64).sum(-1)
-        adv = tree_advantages(lambda r, g, m: fn(r, g, m, None, None, **spec.params), seq, tree, mask64).float()
+            sib = sib + (token_rewards * mask64 * after).sum(-1)
+        adv = tree_advantages(lambda r, g, m: fn(r, g, m, None, None, **spec.params), seq, tree, mask64,
+                              sibling_rewards=sib).float()
     else:
         # Estimators tagged "channels" (GDPO) normalise each reward channel separately when the task has several.
         per_channel = "channels" in ADVANTAGES.spec(spec.name).tags and channels is not None
@@ -69,12 +72,14 @@ def advantages(method: Method, rewards: Tensor, group_ids: Tensor, mask: Tensor,
 
 
 def tree_advantages(adv_fn: Callable[[Tensor, Tensor, Tensor], Tensor], rewards: Tensor, tree: TreeInfo,
-                    mask: Tensor) -> Tensor:
+                    mask: Tensor, sibling_rewards: Tensor | None = None) -> Tensor:
     """Token advantages [B, T]: root-group advantage before the branch point, sibling-group advantage after.
 
     ``adv_fn(rewards, group_ids, mask)`` is the method's group estimator ([B] or [B, T] out). Root groups
     hold the root rollouts only (unbiased samples of the prompt); continuations have no root advantage
-    (their prefix tokens carry no loss).
+    (their prefix tokens carry no loss). ``sibling_rewards`` (default ``rewards``): what sibling groups compare --
+    with a KL penalty in the reward, each member's penalty after the branch point only (a continuation's copied
+    prefix has no loss tokens; a root rollout's prefix KL would count against it alone).
     """
     B, T = mask.shape
     root = tree.is_root
@@ -84,7 +89,8 @@ def tree_advantages(adv_fn: Callable[[Tensor, Tensor, Tensor], Tensor], rewards:
     sib = tree.sibling_ids >= 0
     a_sib = torch.zeros(B, T, dtype=mask.dtype)
     if sib.any():
-        a_sib[sib] = _per_token(adv_fn(rewards[sib], tree.sibling_ids[sib], mask[sib]), T)
+        sib_rewards = rewards if sibling_rewards is None else sibling_rewards
+        a_sib[sib] = _per_token(adv_fn(sib_rewards[sib], tree.sibling_ids[sib], mask[sib]), T)
     after = (torch.arange(T)[None, :] >= tree.branch_at[:, None]) & sib[:, None]
     return torch.where(after, a_sib, a_root)
 

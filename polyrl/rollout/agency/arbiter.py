@@ -119,7 +119,8 @@ class AgencySource:
         tokens = sum(float(sum(s.loss_mask)) if s.loss_mask is not None else float(len(s.completion_token_ids))
                      for s, kept in zip(batch.samples, batch.keep.tolist()) if kept)
         batch.stats["agency/beta"] = self.arbiter.beta
-        batch.stats["agency/baseline_share"] = sum(s.baseline_tokens for s in batch.samples) / max(1.0, tokens)
+        chosen = sum(s.baseline_tokens for s, kept in zip(batch.samples, batch.keep.tolist()) if kept)  # as tokens
+        batch.stats["agency/baseline_share"] = chosen / max(1.0, tokens)
         return batch
 
     def after_update(self, weights, version: int) -> None:

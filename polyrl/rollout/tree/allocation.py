@@ -15,9 +15,9 @@ branches that clearly succeed or fail".
 Sampled roots (``roots="sample"``, also ours): stage 1 draws groups of G at random instead, prompt m with
 inclusion probability pi_m proportional to max(P_mix(p_m, G), floor) (``inclusion_probabilities``, exact by
 systematic sampling), and stage 2 extends only the drawn prompts. The loss of every sample of prompt m, KL
-term included, then weighs 1 / (pi_m n_m) (n_m: the prompt's samples in the batch; ``RolloutBatch.sample_weight``,
-scaled to mean 1 over the batch), so the expected loss is that of prompts drawn uniformly: the importance
-correction of prioritized replay, self-normalized (a small bias for less variance). The DP's choice pulls
+term included, then weighs N / (M pi_m n_m) (n_m: the prompt's samples in the batch, N all of them, M the
+candidates; ``root_weights``, ``RolloutBatch.sample_weight``: mean 1 in expectation), so the expected loss is that of
+prompts drawn uniformly: the importance correction of prioritized replay, unbiased. The DP's choice pulls
 the policy toward the prompts it prefers and away from the ones it stops drawing (on a small pool it
 forgets them); the weights undo that, and the preference only changes the variance.
 """
@@ -181,3 +181,13 @@ def expected_useful(p: Tensor, strength: Tensor, n: Tensor, successes: Tensor, f
     mixed_after = torch.where(has_s & has_f, torch.ones_like(p), torch.where(
         has_s, 1 - e_p, torch.where(has_f, 1 - e_q, (1 - e_p - e_q).clamp_min(0))))
     return mixed_after * (n + idle) - mixed_now * idle
+
+
+def root_weights(owner: Tensor, pi: Tensor) -> Tensor:
+    """Sample weights [N] of sampled roots: sample i of candidate m (``owner[i]``) weighs N / (M pi_m n_m), with M =
+    len(``pi``) candidates, N samples and n_m of them m's. Then E[sum_i w_i loss_i] = (N / M) sum_m (m's mean loss),
+    the loss of prompts drawn uniformly, and the weights average 1 in expectation. (Dividing by the batch's own mean
+    weight instead depends on the draw: with one group drawn, every weight was 1 and nothing was corrected.)"""
+    n_of = torch.bincount(owner, minlength=len(pi)).to(torch.float64)
+    pi64 = pi.detach().to(torch.float64).cpu()
+    return (owner.numel() / (len(pi) * pi64[owner] * n_of[owner])).to(torch.float32)

@@ -49,6 +49,7 @@ from polyrl.rollout.tree.allocation import (
     expected_useful,
     inclusion_probabilities,
     p_mixed,
+    root_weights,
     systematic_sample,
 )
 from polyrl.rollout.tree.predictors import SuccessPredictor, prefix_estimate
@@ -140,8 +141,8 @@ class TreeSampler:
                             + [sum(not root_mixed[root_of[j]] for j in anchors[key]) for key in keys],
                             dtype=torch.float64)
         # candidates: the posterior updated with this step's outcomes; prefixes: the online estimate
-        p_anchor = torch.tensor([prefix_estimate(float(succ[len(drawn) + a]), len(anchors[key]),
-                                                 sum(group[key[0]]) / len(group[key[0]]), self.prior_strength)
+        p_anchor = torch.tensor([prefix_estimate(float(succ[len(drawn) + a]), len(anchors[key]),  # successes, as
+                                                 float(succ[key[0]] / size[key[0]]), self.prior_strength)  # succ
                                  for a, key in enumerate(keys)], dtype=torch.float64)
         p_anchor = self._pruned(p_anchor)  # decided prefixes: 0, and no continuations below
         mean = torch.cat([(p_root * s_root + succ[: len(drawn)]) / (s_root + size[: len(drawn)]),
@@ -183,7 +184,8 @@ class TreeSampler:
         for k in set(root_of):
             got = [root_scores[j] for j in range(len(roots)) if root_of[j] == k]
             self.predictor.record(drawn[k][0], got)
-            history[drawn[k][0]] = max(history.get(drawn[k][0], 0.0), sum(got) / len(got))
+            history[drawn[k][0]] = max(history.get(drawn[k][0], 0.0), sum(min(1.0, max(0.0, g)) for g in got)
+                                        / len(got))  # clamped, as collect() records it
         pruned = int((p_anchor == 0).sum())
         return self._batch(method, params, drawn, roots, root_of, root_scores, sibling_of, conts, cont_anchor,
                            cont_scores, chosen, n_candidates=len(drawn), pruned=pruned, extended=len(more),
@@ -227,11 +229,8 @@ class TreeSampler:
         mixed_sibs = sum(mixed(scores[sibling == a].tolist()) for a in range(len(chosen)))
         tokens = int(lengths.sum())
         weight = None
-        if inclusion is not None:  # sampled roots: each prompt weighs 1 / (its inclusion probability), spread over
-            per = torch.tensor(index)  # its samples, so the expected loss is that of prompts drawn uniformly
-            n_of = torch.bincount(per, minlength=len(drawn)).to(torch.float64)
-            weight = (1.0 / (inclusion[per] * n_of[per])).to(torch.float32)
-            weight = weight / weight.mean()
+        if inclusion is not None:  # sampled roots: the expected loss is that of prompts drawn uniformly
+            weight = root_weights(torch.tensor(index), inclusion)
         stats = {
             "rollout/gen_rounds": 1.0, "rollout/generated": float(len(episodes)),
             "rollout/groups": float(len(root_groups)),
