@@ -256,3 +256,19 @@ def test_exceptions_rank_0_broadcasts_survive_pickling():
     error.step = 7
     again = pickle.loads(pickle.dumps(error))
     assert str(again) == str(error) and again.traceback == "tb" and again.step == 7
+
+
+def test_a_worker_restarted_before_its_first_reply_is_counted(cluster, models):
+    """The pool records each actor's first incarnation at start: an actor that died before it ever replied (out of
+    memory in its first generation) was restarted unseen, and rollout/worker_restarts stayed 0."""
+    task = AdditionTask()
+    policy, tokenizer = _policy(models[0])
+    local, remote = _remote(models[0], task, policy, tokenizer, 1)
+    params = SamplingParams(n=4, max_new_tokens=6, seed=11)
+    prompts = task.prompts("train", 2, 0)
+    try:
+        os.kill(remote.pool.pids()[0], signal.SIGKILL)  # before any call
+        _same(local.sample(prompts, params), remote.sample(prompts, params))
+        assert remote.take_stats()["rollout/worker_restarts"] == 1
+    finally:
+        remote.close()

@@ -12,6 +12,7 @@ import os
 import signal
 
 import pytest
+import torch
 from rich.console import Console
 
 from polyrl.config import build_config
@@ -130,3 +131,14 @@ def test_an_asynchronous_run_resumes_exactly(models, tmp_path, monkeypatch):
     want = [[r[k] for k in keys] for r in _rows(unbroken)]
     assert [r["async/staleness_max"] for r in _rows(unbroken)] == [0, 1, 2, 2]
     assert [[r[k] for k in keys] for r in _rows(run)] == want
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="asks for a GPU this machine must lack")
+def test_a_refused_pool_stops_the_ray_instance_it_started(models):
+    """A pool refused after it started Ray (actors asking for a GPU the machine lacks) stops that instance: left
+    running, it made every later run in the process fail ("Ray is already running in this process")."""
+    from polyrl.rollout.remote import WorkerError, WorkerSpec
+
+    with pytest.raises(WorkerError, match="need 1 GPU"):
+        WorkerPool(WorkerSpec(models[0], AdditionTask()), workers=1, cpus=2, gpus_per_worker=1, weights=dict)
+    assert not ray.is_initialized()

@@ -74,17 +74,23 @@ class WorkerPool:
                               f"{cpus} would be ignored; leave them out to use it, or run polyrl in its own process")
         if self.owns_ray:
             _start_ray(address, cpus or max(cores(), workers), gpus_per_worker, trainer_gpus)  # cpus >= workers
-        _check_resources(ray.cluster_resources(), workers, gpus_per_worker)
-        for module in file_modules():  # a task from a --plugin file.py: its classes travel by value
-            ray.cloudpickle.register_pickle_by_value(module)
-        actor = ray.remote(RolloutWorker).options(max_restarts=MAX_RESTARTS, max_task_retries=MAX_RESTARTS,
-                                                  num_cpus=1, num_gpus=gpus_per_worker)
-        self.actors = [actor.remote(spec) for _ in range(workers)]
-        self.incarnations: list[set[str]] = [set() for _ in range(workers)]  # every incarnation seen, per actor
+        self.actors: list = []
+        self._closed = False
+        try:  # a refusal or a failed start stops the actors and the Ray instance started here (a later run in this
+            _check_resources(ray.cluster_resources(), workers, gpus_per_worker)  # process could not start its own)
+            for module in file_modules():  # a task from a --plugin file.py: its classes travel by value
+                ray.cloudpickle.register_pickle_by_value(module)
+            actor = ray.remote(RolloutWorker).options(max_restarts=MAX_RESTARTS, max_task_retries=MAX_RESTARTS,
+                                                      num_cpus=1, num_gpus=gpus_per_worker)
+            self.actors = [actor.remote(spec) for _ in range(workers)]
+            # every incarnation seen, per actor, the first from the start: a restart before any reply counts too
+            self.incarnations: list[set[str]] = [{who} for who in self._get([a.whoami.remote() for a in self.actors])]
+        except BaseException:
+            self.close()
+            raise
         self._weights, self._ref, self._next_id = weights, None, 0
         self._busy_s = self._load_s = 0.0
         self._since = time.perf_counter()  # start of the period take_stats reports on
-        self._closed = False
 
     @property
     def size(self) -> int:
@@ -120,11 +126,24 @@ class WorkerPool:
 
     def wait(self, pending: Pending) -> list[Episode]:
         """The episodes of ``pending``, complete, in order; the given Episode objects are updated in place."""
+        replies: list[WorkerReply] = self._get(pending.refs)
+        for actor, (a, b), reply in zip(pending.actors, pending.bounds, replies):
+            self.incarnations[actor].add(reply.incarnation)
+            for mine, got in zip(pending.episodes[a:b], reply.episodes):
+                got.prompt = mine.prompt  # keep the caller's Prompt objects
+                vars(mine).update(vars(got))
+            self._busy_s += reply.busy_s
+            self._load_s += reply.load_s
+        return pending.episodes
+
+    @staticmethod
+    def _get(refs: list) -> list:
+        """``ray.get(refs)``, its failures as one-line WorkerErrors (a ConfigError a worker raised as itself)."""
         import ray
         from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
 
         try:
-            replies: list[WorkerReply] = ray.get(pending.refs, timeout=REPLY_TIMEOUT_S)
+            return ray.get(refs, timeout=REPLY_TIMEOUT_S)
         except RayTaskError as e:
             if isinstance(e.cause, ConfigError):  # a setting the worker found unusable (a prompt beyond the context)
                 raise e.cause from None
@@ -139,14 +158,6 @@ class WorkerPool:
             raise WorkerError(f"no reply from the rollout workers in {REPLY_TIMEOUT_S:.0f} s") from None
         except RayError as e:  # out of memory, a lost object, ...
             raise WorkerError(f"the rollout workers failed: {type(e).__name__}: {str(e).splitlines()[0]}") from None
-        for actor, (a, b), reply in zip(pending.actors, pending.bounds, replies):
-            self.incarnations[actor].add(reply.incarnation)
-            for mine, got in zip(pending.episodes[a:b], reply.episodes):
-                got.prompt = mine.prompt  # keep the caller's Prompt objects
-                vars(mine).update(vars(got))
-            self._busy_s += reply.busy_s
-            self._load_s += reply.load_s
-        return pending.episodes
 
     def take_stats(self) -> dict[str, float]:
         """Metrics since the last call: restarts so far, weight-sync seconds, and the share of the period the actors

@@ -86,6 +86,10 @@ class RolloutWorker:
     def pid(self) -> int:
         return os.getpid()
 
+    def whoami(self) -> str:
+        """This incarnation (the pool records each actor's first at start, so a restart before any reply counts)."""
+        return self.incarnation
+
     def run(self, episodes: list[Episode], params: SamplingParams, key_offset: int, weights: tuple[int, list],
             beta: float) -> WorkerReply:
         """Continue ``episodes`` to their end with the weights ``(id, [ref])`` and agency mixture ``beta``."""
