@@ -188,12 +188,16 @@ def test_staleness_bound_holds_under_a_slow_trainer(cluster, models):
     assert max(seen) == k, f"the bound was never reached (staleness {seen}): nothing was prefetched"
 
 
-def test_a_killed_worker_is_restarted_and_its_calls_reissued(cluster, models):
+def _addition_runners(model_dir, workers: int, prompts: int):
+    """(local runner, remote runner over ``workers`` actors, sampling params, ``prompts`` addition prompts)."""
     task = AdditionTask()
-    policy, tokenizer = _policy(models[0])
-    local, remote = _remote(models[0], task, policy, tokenizer, 2)
-    params = SamplingParams(n=4, max_new_tokens=6, seed=11)
-    prompts = task.prompts("train", 6, 0)
+    policy, tokenizer = _policy(model_dir)
+    local, remote = _remote(model_dir, task, policy, tokenizer, workers)
+    return local, remote, SamplingParams(n=4, max_new_tokens=6, seed=11), task.prompts("train", prompts, 0)
+
+
+def test_a_killed_worker_is_restarted_and_its_calls_reissued(cluster, models):
+    local, remote, params, prompts = _addition_runners(models[0], 2, 6)
     try:
         victim = remote.pool.pids()[0]
         remote.sample(prompts, params)  # both actors have served a call: their incarnations are known
@@ -261,11 +265,7 @@ def test_exceptions_rank_0_broadcasts_survive_pickling():
 def test_a_worker_restarted_before_its_first_reply_is_counted(cluster, models):
     """The pool records each actor's first incarnation at start: an actor that died before it ever replied (out of
     memory in its first generation) was restarted unseen, and rollout/worker_restarts stayed 0."""
-    task = AdditionTask()
-    policy, tokenizer = _policy(models[0])
-    local, remote = _remote(models[0], task, policy, tokenizer, 1)
-    params = SamplingParams(n=4, max_new_tokens=6, seed=11)
-    prompts = task.prompts("train", 2, 0)
+    local, remote, params, prompts = _addition_runners(models[0], 1, 2)
     try:
         os.kill(remote.pool.pids()[0], signal.SIGKILL)  # before any call
         _same(local.sample(prompts, params), remote.sample(prompts, params))
