@@ -603,23 +603,34 @@ def build_components(cfg: TrainConfig, method, task, model_dir: str) -> Componen
 
     trainer_gpus = local_processes() if where.type == "cuda" else 0  # rollout actors get the other GPUs
     sampler = _rollout_runner(cfg, method, learner, runner, arbiter, model_dir, trainer_gpus)  # evaluator: `runner`
-    if cfg.preference.file is not None:  # offline preference rows: no generation
-        from polyrl.rollout.preference import PreferenceSource
-        from polyrl.rollout.preference_data import read_pairs
-
-        put = PromptFormat(tokenizer, cfg.data.chat_template, cfg.data.system_prompt, model=f"model {model_dir!r}")
-        source = PreferenceSource(read_pairs(cfg.preference.file), tokenizer, put.apply,
-                                  pairs_per_step=cfg.prompts_per_step, seed=cfg.seed,
-                                  max_new_tokens=cfg.max_new_tokens, context=context_length(policy))
-    elif cfg.sampler == "tree":
-        source = _tree_source(cfg, learner, generator, sampler, rewards, sampling, tokenizer)
-    else:
-        source = _group_source(cfg, sampler, rewards, sampling)
+    try:  # the workers (and a Ray instance they started) stop if the source cannot be built: train() owns none yet
+        source = _source(cfg, learner, generator, sampler, rewards, sampling, tokenizer, policy, model_dir)
+    except BaseException:
+        sampler.close()
+        raise
     if arbiter is not None:
         source = AgencySource(source, arbiter)
     if ranks is not None:
         source, evaluate = RankSource(source), RankEvaluator(evaluate)
     return Components(source=source, evaluate=evaluate, **parts)
+
+
+def _source(cfg: TrainConfig, learner, generator, sampler, rewards, sampling, tokenizer, policy, model_dir: str):
+    """The rollout source: offline preference rows, the tree sampler or uniform groups over ``sampler``."""
+    from polyrl.model import context_length
+    from polyrl.tasks.chat import PromptFormat
+
+    if cfg.preference.file is not None:  # offline preference rows: no generation
+        from polyrl.rollout.preference import PreferenceSource
+        from polyrl.rollout.preference_data import read_pairs
+
+        put = PromptFormat(tokenizer, cfg.data.chat_template, cfg.data.system_prompt, model=f"model {model_dir!r}")
+        return PreferenceSource(read_pairs(cfg.preference.file), tokenizer, put.apply,
+                                pairs_per_step=cfg.prompts_per_step, seed=cfg.seed, max_new_tokens=cfg.max_new_tokens,
+                                context=context_length(policy))
+    if cfg.sampler == "tree":
+        return _tree_source(cfg, learner, generator, sampler, rewards, sampling, tokenizer)
+    return _group_source(cfg, sampler, rewards, sampling)
 
 
 def _teacher(cfg: TrainConfig, tokenizer):

@@ -142,3 +142,18 @@ def test_a_refused_pool_stops_the_ray_instance_it_started(models):
     with pytest.raises(WorkerError, match="need 1 GPU"):
         WorkerPool(WorkerSpec(models[0], AdditionTask()), workers=1, cpus=2, gpus_per_worker=1, weights=dict)
     assert not ray.is_initialized()
+
+
+def test_a_build_that_fails_after_the_workers_started_stops_them_and_ray(models, monkeypatch):
+    """train() owns the workers only once the parts are built: a failure building the source after the rollout
+    runner left its actors and the Ray instance it started running in the process."""
+    import polyrl.build as build
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("the source could not be built")
+
+    monkeypatch.setattr(build, "_group_source", broken)
+    with pytest.raises(RuntimeError, match="could not be built"):
+        train(_cfg(None, steps=1), get_method("grpo"), model_dir=models[0], task=AdditionTask(),
+              run_dir="/nonexistent-never-written", console=QUIET)
+    assert not ray.is_initialized()
