@@ -302,6 +302,7 @@ def check_combinations(cfg: TrainConfig, method, task):
     The rules that need only the config live in ``config.validate``; these also need the method or the task.
     """
     from polyrl.learner.dist import pick_device
+    from polyrl.objectives.advantages import parse_channel_weights
     from polyrl.registry import ADVANTAGES, TRUST_REGIONS
     from polyrl.tasks.rewards import parse_reward_specs
 
@@ -333,7 +334,7 @@ def check_combinations(cfg: TrainConfig, method, task):
     specs, weights = parse_reward_specs(cfg.reward_funcs, cfg.reward_weights)
     if "channels" in ADVANTAGES.spec(adv).tags and len(specs) > 1:  # GDPO reads each channel's raw reward
         own = method.advantage.params.get("weights", "")
-        if weights is not None and own and [float(w) for w in own.replace(";", ",").split(",")] != weights:
+        if weights is not None and own and parse_channel_weights(own) != weights:
             raise ConfigError(f"reward_weights = {cfg.reward_weights!r} is not allowed with advantage {adv!r} "
                               f"weights = {own!r}: it weights the channels itself; give the weights once")
         if method.shapers:
@@ -502,6 +503,7 @@ class Components:
     boundaries: frozenset[int]  # token ids that end a sub-sentence (segment ids for SSPO)
     topk: int  # top-K support size when the trust region reads it, else 0
     writes: bool = True  # this process writes the run directory (rank 0 of several)
+    held_out: int = 0  # the evaluation's distinct held-out prompts (``evaluate`` may wrap the Evaluator)
     task: Any = None  # the task as the model sees it: prompts put by the chat format (tasks.chat.formatted_task)
     # Per-step metrics of the reference against the sampling policy: (student_logp, ref_logp, mask) -> metrics
     # (distill/reverse_kl with a teacher; none otherwise).
@@ -587,7 +589,8 @@ def build_components(cfg: TrainConfig, method, task, model_dir: str) -> Componen
         arbiter = generator.arbiter = AgencyArbiter(baseline, parse_schedule(cfg.agency.schedule),
                                                     mode=cfg.agency.mode)
     runner = EpisodeRunner(generator, tokenizer, task, own_weights=ranks is not None or cfg.engine.backend == "vllm")
-    evaluate = Evaluator(runner, task, held_out_prompts(task, cfg.eval.prompts), cfg.max_new_tokens, arbiter)
+    held_out = held_out_prompts(task, cfg.eval.prompts)
+    evaluate = Evaluator(runner, task, held_out, cfg.max_new_tokens, arbiter)
 
     def sampling(step: int) -> SamplingParams:
         sample = cfg.sampling
@@ -612,7 +615,7 @@ def build_components(cfg: TrainConfig, method, task, model_dir: str) -> Componen
         source = AgencySource(source, arbiter)
     if ranks is not None:
         source, evaluate = RankSource(source), RankEvaluator(evaluate)
-    return Components(source=source, evaluate=evaluate, **parts)
+    return Components(source=source, evaluate=evaluate, held_out=len(held_out), **parts)
 
 
 def _source(cfg: TrainConfig, learner, generator, sampler, rewards, sampling, tokenizer, policy, model_dir: str):

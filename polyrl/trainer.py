@@ -116,10 +116,9 @@ def _train(cfg: TrainConfig, method: Method, parts: Components, *, task: Task, m
         console.print(f"resumed from {resume_from} at step {state.step}"
                       + (f" ({dropped} logged rows after it dropped)" if dropped else "")
                       + (f"; newer checkpoints kept as {', '.join(p.name for p in aside)}" if aside else ""))
-        held = len(getattr(parts.evaluate, "prompts", state.solved_before or []))
-        if state.solved_before is not None and len(state.solved_before) != held:  # a checkpoint of another version
-            console.print(f"[yellow]note[/]: {held} held-out prompts now, {len(state.solved_before)} when the run "
-                          "started: eval/retained and eval/gained are not logged")
+        if state.solved_before is not None and len(state.solved_before) != parts.held_out:  # another version's
+            console.print(f"[yellow]note[/]: {parts.held_out} held-out prompts now, {len(state.solved_before)} when "
+                          "the run started: eval/retained and eval/gained are not logged")
     logger = RunLogger(run, tensorboard=cfg.log.tensorboard, wandb=cfg.log.wandb, console=console,
                        table_every=cfg.log.every, config=to_dict(cfg),
                        history=read_rows(run) if resume_from is not None else None,

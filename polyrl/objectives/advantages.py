@@ -200,14 +200,14 @@ def group_centered_batch_std(
     return torch.where(n > 1, _div(r - mean, std + eps), torch.zeros_like(r))
 
 
-def _parse_weights(text: str) -> list[float]:
+def parse_channel_weights(text: str) -> list[float]:
     """'1,0.5' or '1;0.5' -> [1.0, 0.5] (';' because ',' separates parameters in name:key=value,...)."""
     return [float(w) for w in re.split(r"[,;]", text)] if text.strip() else []
 
 
 def _check_gdpo(p: dict) -> str | None:
     try:
-        _parse_weights(p["weights"])
+        parse_channel_weights(p["weights"])
     except ValueError:
         return f"parameter 'weights' = {p['weights']!r} must be numbers separated by ',' or ';' like '1;0.5'"
     return None
@@ -240,7 +240,7 @@ def gdpo(
         raise ValueError("advantage 'gdpo' takes no token_rewards (put the KL in the loss or in a channel)")
     r = _floats(rewards)
     r = r[:, None] if r.dim() == 1 else r
-    w = _parse_weights(weights) or [1.0] * r.shape[1]
+    w = parse_channel_weights(weights) or [1.0] * r.shape[1]
     if len(w) != r.shape[1]:
         raise ValueError(
             f"advantage 'gdpo': weights={weights!r} has {len(w)} entries but rewards have "
