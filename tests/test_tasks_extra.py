@@ -100,10 +100,12 @@ def test_math_task_from_jsonl_and_parquet(tmp_path):
 
 def test_math_references_in_bare_latex_or_json_floats_are_read_whole(tmp_path):
     """An answer column holds bare LaTeX (math-verify reads LaTeX only inside $...$ or \\boxed{}: 2\\sqrt{3} was 2
-    and \\sqrt{2} nothing) and JSON numbers (1e-05 was the string '1e-05', read as 1)."""
+    and \\sqrt{2} nothing), JSON numbers (1e-05 was the string '1e-05', read as 1) and units (wrapped as they are,
+    "5 dollars" is the product 5*d*o*l*l*a*r*s)."""
     rows = [{"question": q, "answer": a} for q, a in [
         ("root two?", "\\sqrt{2}"), ("two root three?", "2\\sqrt{3}"), ("ten to the ten?", "10^{10}"),
-        ("three quarters?", "\\dfrac{3}{4}"), ("small?", 1e-05), ("big?", 1.5e20), ("boxed?", "\\boxed{7}")]]
+        ("three quarters?", "\\dfrac{3}{4}"), ("small?", 1e-05), ("big?", 1.5e20), ("boxed?", "\\boxed{7}"),
+        ("cost?", "5 dollars"), ("half?", "\\frac{1}{2} hours")]]
     _write_jsonl(tmp_path / "m.jsonl", rows)
     task = MathTask(str(tmp_path / "m.jsonl"), heldout_percent=0)
     by_q = {p.text.split("\n")[0]: p for p in task.prompts("train", len(rows), 0)}
@@ -118,6 +120,8 @@ def test_math_references_in_bare_latex_or_json_floats_are_read_whole(tmp_path):
     assert reward("small?", "0.00001") == 1.0 and reward("small?", "1") == 0.0
     assert reward("big?", "150000000000000000000") == 1.0 and reward("big?", "1.5") == 0.0
     assert reward("boxed?", "7") == 1.0
+    assert reward("cost?", "\\boxed{5}") == 1.0 and reward("cost?", "\\boxed{6}") == 0.0
+    assert reward("half?", "\\boxed{\\frac{1}{2}}") == 1.0 and reward("half?", "\\boxed{2}") == 0.0
 
 
 def test_math_task_names_a_missing_column(tmp_path):

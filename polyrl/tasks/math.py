@@ -25,6 +25,7 @@ import hashlib
 import json
 import math
 import random
+import re
 from decimal import Decimal
 from pathlib import Path
 from typing import Any
@@ -233,10 +234,20 @@ def _answer_text(value: Any) -> str:
     return str(value)
 
 
+# Plain words closing an answer after a number or a LaTeX group ("5 dollars", "\\frac{1}{2} hours"): a unit.
+_TRAILING_WORDS = re.compile(r"(?<=[\d}.\s])\s*([A-Za-z]{2,}(?:\s+[A-Za-z]+)*)\s*$")
+
+
 @functools.lru_cache(maxsize=65536)
 def _gold(answer: str) -> list:
     """The parsed reference. A data file's answer column is usually bare LaTeX (``2\\sqrt{3}``), which math-verify
-    reads only inside $...$ or \\boxed{} (bare, it read 2, or nothing for ``\\sqrt{2}``): bare answers are wrapped."""
+    reads only inside $...$ or \\boxed{} (bare, it read 2, or nothing for ``\\sqrt{2}``): bare answers are wrapped.
+    Plain words after the value become ``\\text{}`` (wrapped as they are, ``5 dollars`` is the product 5*d*o*l*...)."""
     from math_verify import parse
 
-    return parse(answer if "$" in answer or "\\boxed" in answer else f"${answer}$")
+    if "$" in answer or "\\boxed" in answer:
+        return parse(answer)
+    unit = _TRAILING_WORDS.search(answer)
+    if unit and answer[:unit.start()].strip():
+        answer = f"{answer[:unit.start()].rstrip()}\\text{{ {unit.group(1)}}}"
+    return parse(f"${answer}$")
