@@ -168,6 +168,13 @@ def resolve_train(args: argparse.Namespace, *, claim: Callable[[str], None] | No
     if held_out < cfg.eval.prompts:
         notes.append(f"eval_prompts = {cfg.eval.prompts}: the task's held-out split gives {held_out} distinct prompts; "
                      "each is evaluated once")
+    if cfg.drift.prompts and cfg.drift.prompts > held_out:
+        from polyrl.drift import DRIFT_SEED
+
+        probes = len(held_out_prompts(task, cfg.drift.prompts, seed=DRIFT_SEED))
+        if probes < cfg.drift.prompts:
+            notes.append(f"drift_prompts = {cfg.drift.prompts}: the task's held-out split gives {probes} distinct "
+                         "prompts; each is a probe once")
     if cfg.model is not None:
         from polyrl.model import TOKENIZER_FILES
 
@@ -600,7 +607,7 @@ def build_components(cfg: TrainConfig, method, task, model_dir: str) -> Componen
     if cfg.drift.prompts:  # before any update or checkpoint load: the probe set is the starting policy's
         from polyrl.drift import DRIFT_SEED, DriftMeter
 
-        probes = task.prompts("test", cfg.drift.prompts, seed=DRIFT_SEED)
+        probes = held_out_prompts(task, cfg.drift.prompts, seed=DRIFT_SEED)
         evaluate = DriftMeter(evaluate, learner, runner, probes, dataclasses.replace(sampling(0), n=1, seed=DRIFT_SEED),
                               generator.pad_id)
 

@@ -447,7 +447,8 @@ def validate(config: TrainConfig) -> None:
         _rule(name, getattr(cfg, name), cfg.agency is not None or getattr(cfg, name) == getattr(default, name),
               "only applies with agency transfer (add --agency DIR)")
     _rule("value_clip", cfg.value_clip, cfg.value_clip >= 0, "must be >= 0 (0 = unclipped)")
-    _rule("drift_prompts", cfg.drift_prompts, cfg.drift_prompts >= 0, "must be an integer >= 0 (0 = off)")
+    _rule("drift_prompts", cfg.drift_prompts, 0 <= cfg.drift_prompts <= 10**6,
+          "must be an integer in [0, 1000000] (0 = off)")
     _rule("drift_prompts", cfg.drift_prompts, not cfg.drift_prompts or (cfg.nproc == 1 and cfg.agency is None),
           "does not combine with nproc > 1 or --agency (it scores the probe set with the policy in this process, "
           "sampled from the starting policy alone)")

@@ -60,15 +60,17 @@ class DriftMeter:
         logp = self.learner.logprobs_nograd(batch).logp
         was_training = model.training
         model.eval()
-        on = batch.to(next(model.parameters()).device)
+        device, rows = next(model.parameters()).device, self.learner.micro_batch_size
+        prompt_end = batch.input_ids.shape[1] - batch.completion_mask.shape[1] - 1  # prompts are left padded
+        hidden = []
         with torch.no_grad():
-            pos = (on.attention_mask.cumsum(-1) - 1).clamp_min(0)
-            hidden = model.base_model(input_ids=on.input_ids, attention_mask=on.attention_mask,
-                                      position_ids=pos).last_hidden_state
+            for i in range(0, batch.input_ids.shape[0], rows):  # micro-batched, as the log-probs are
+                on = batch.rows(slice(i, i + rows)).to(device)
+                pos = (on.attention_mask.cumsum(-1) - 1).clamp_min(0)
+                out = model.base_model(input_ids=on.input_ids, attention_mask=on.attention_mask, position_ids=pos)
+                hidden.append(out.last_hidden_state[:, prompt_end].float().cpu())
         model.train(was_training)
-        width = batch.completion_mask.shape[1]
-        prompt_end = batch.input_ids.shape[1] - width - 1  # prompts are left padded: each ends at the same column
-        return logp, hidden[:, prompt_end].float().cpu()
+        return logp, torch.cat(hidden)
 
     def drift(self) -> dict[str, float]:
         """The ``drift/*`` metrics of the current policy."""

@@ -56,8 +56,39 @@ def test_drift_after_a_resume_is_measured_from_the_run_start(tiny_model, tmp_pat
 
 
 def test_drift_is_refused_where_it_cannot_measure():
-    for values, needle in (({"drift_prompts": -1}, "must be an integer >= 0"),
+    for values, needle in (({"drift_prompts": -1}, "must be an integer in [0, 1000000]"),
                            ({"drift_prompts": 4, "nproc": 2}, "does not combine with nproc > 1")):
         with pytest.raises(ConfigError) as e:
             validate(build_config(values))
         assert needle in str(e.value) and str(e.value).startswith("drift_prompts")
+
+
+def test_drift_probes_are_distinct_prompts_scored_in_micro_batches(tiny_model, tmp_path, monkeypatch):
+    """A held-out split smaller than --drift-prompts gives each prompt once (the split used to be cycled, weighing
+    some probes twice); the probe pass runs in micro-batches (it was one forward over every probe), each row's hidden
+    state still taken at its own prompt's end."""
+    import polyrl.drift
+    from polyrl.tasks.math import MathTask
+
+    data = tmp_path / "m.jsonl"
+    data.write_text("".join(json.dumps({"question": f"{i} + 1?", "answer": str(i + 1)}) + "\n" for i in range(40)))
+    task = MathTask(str(data), heldout_percent=10)
+    held = len(task._pools["test"])
+    assert 0 < held < 30
+    seen, built = [], polyrl.drift.DriftMeter.__init__
+
+    def record(self, evaluate, learner, runner, prompts, *args):
+        seen.extend(p.text for p in prompts)
+        built(self, evaluate, learner, runner, prompts, *args)
+
+    monkeypatch.setattr(polyrl.drift.DriftMeter, "__init__", record)
+    train(_cfg(drift_prompts=30, micro_batch_size=2, steps=2, reward_funcs="task"), get_method("grpo"),
+          model_dir=tiny_model, task=task, run_dir=str(tmp_path / "run"), console=QUIET)
+    assert len(seen) == len(set(seen)) == held
+    start = _evals(tmp_path / "run")[0]
+    assert start["drift/hidden_cos"] == pytest.approx(1.0, abs=1e-5) and start["drift/kl_k3"] == pytest.approx(0, abs=1e-6)
+
+
+def test_drift_prompts_are_bounded():
+    with pytest.raises(ConfigError, match=r"drift_prompts = 1000001 is not allowed; must be an integer in \[0, 1000000\]"):
+        validate(build_config({"drift_prompts": 10**6 + 1}))

@@ -49,14 +49,15 @@ class Task(Protocol):
         ...
 
 
-def held_out_prompts(task: Task, n: int) -> list[Prompt]:
-    """The evaluation's prompts: ``n`` distinct ones of the task's held-out split. A task cycles through a split
-    smaller than ``n``, and a generated one (countdown) can draw a prompt twice; greedy decoding gives a repeated prompt
-    the same answer, so a repeat would only weigh some prompts more than others in the accuracy. Repeats are dropped
-    and more are drawn (up to 8n) until there are ``n`` or the split has no more."""
+def held_out_prompts(task: Task, n: int, seed: int = 0) -> list[Prompt]:
+    """The evaluation's prompts (``seed`` 0; the drift meter's probes draw with their own): ``n`` distinct ones of the
+    task's held-out split. A task cycles through a split smaller than ``n``, and a generated one (countdown) can draw a
+    prompt twice; greedy decoding gives a repeated prompt the same answer, so a repeat would only weigh some prompts
+    more than others in the accuracy. Repeats are dropped and more are drawn (up to 8n) until there are ``n`` or the
+    split has no more."""
     want = n
     while True:
-        got = list(dict.fromkeys(task.prompts("test", want, seed=0)))
+        got = list(dict.fromkeys(task.prompts("test", want, seed=seed)))
         if len(got) >= n or want >= 8 * n:
             return got[:n]
         want *= 2
