@@ -290,6 +290,35 @@ def test_a_resumed_run_keeps_its_interrupted_log_and_a_new_one_starts_afresh(tmp
     assert log.read_text() == "this attempt\n"
 
 
+def test_concurrent_compare_runs_get_their_own_gpus(tmp_path, monkeypatch):
+    """With several GPUs, each worker slot's runs see their own (every concurrent run trained on GPU 0 before);
+    with one GPU or one worker the environment is left as it is."""
+    import subprocess
+    import sys
+
+    from rich.console import Console
+
+    from polyrl.lab import compare as lab
+
+    seen, real = [], subprocess.Popen
+
+    def popen(argv, **kw):  # each run prints the GPUs it was given, then lasts long enough to overlap the other
+        seen.append(kw["env"].get("CUDA_VISIBLE_DEVICES"))
+        return real([sys.executable, "-c", "import time; time.sleep(0.5)"], **kw)
+
+    monkeypatch.setattr(lab.subprocess, "Popen", popen)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3")
+    specs = [lab.RunSpec("grpo", k, tmp_path / "grpo" / f"seed{k}", ["train"]) for k in range(4)]
+    assert [code for _, code, _ in lab.run_all(specs, workers=2, console=Console(quiet=True))] == [0] * 4
+    assert sorted(seen) == ["0,1", "0,1", "2,3", "2,3"] and seen[0] != seen[1]  # the first two ran side by side
+    assert lab.gpu_slots(["0", "1"], 3) == ["0", "1", "0"] and lab.gpu_slots(["7"], 2) == []
+    assert lab.gpu_slots(["0", "1"], 1) == []
+    seen.clear()
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5")
+    lab.run_all(specs[:2], workers=2, console=Console(quiet=True))
+    assert seen == ["5", "5"]  # one GPU: the environment as it was
+
+
 # 2. the analysis settings are checked before the first run
 
 

@@ -286,8 +286,32 @@ def check_train_flags(parse: Callable[[list[str]], argparse.Namespace], model: s
     return check
 
 
+def visible_gpus() -> list[str]:
+    """The GPUs this process may use, as CUDA_VISIBLE_DEVICES names them (indices or UUIDs); none without CUDA."""
+    if "CUDA_VISIBLE_DEVICES" in os.environ:
+        return [d.strip() for d in os.environ["CUDA_VISIBLE_DEVICES"].split(",") if d.strip() and d.strip() != "-1"]
+    import torch
+
+    return [str(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
+
+
+def gpu_slots(gpus: list[str], workers: int) -> list[str]:
+    """CUDA_VISIBLE_DEVICES for each of ``workers`` concurrent runs: disjoint blocks of the GPUs when there are at
+    least as many GPUs as workers, else one GPU each, shared round-robin; [] (the environment as it is) with at most
+    one GPU or one worker, where there is nothing to spread."""
+    if len(gpus) < 2 or workers < 2:
+        return []
+    if len(gpus) >= workers:
+        per = len(gpus) // workers
+        return [",".join(gpus[w * per:(w + 1) * per]) for w in range(workers)]
+    return [gpus[w % len(gpus)] for w in range(workers)]
+
+
 def run_all(specs: list[RunSpec], *, workers: int, console: Console) -> list[tuple[RunSpec, int, float]]:
     """Run the specs (W at a time), each `polyrl train` in its own process; return (spec, exit code, seconds).
+
+    With several GPUs and several workers, each worker slot's runs see their own GPUs (``gpu_slots``); before, every
+    concurrent run trained on GPU 0.
 
     A child runs with ``PYTHONSAFEPATH`` (the current directory is not put first on its import path, so a ``math.py``
     there cannot replace the standard library's). When compare itself stops (Ctrl-C, SIGTERM: an exception here), no
@@ -298,10 +322,21 @@ def run_all(specs: list[RunSpec], *, workers: int, console: Console) -> list[tup
     lock = threading.Lock()
     stopping = threading.Event()
     env = {**os.environ, "PYTHONSAFEPATH": "1"}
+    gpus = gpu_slots(visible_gpus(), workers) if workers > 1 else []
+    free_slots = list(range(max(1, workers)))
 
     def one(spec: RunSpec) -> tuple[RunSpec, int, float]:
         if stopping.is_set():  # compare is stopping: a run not started stays as it was (its log included)
             return spec, -signal.SIGTERM, 0.0
+        with lock:
+            slot = free_slots.pop()
+        try:
+            return run_one(spec, slot)
+        finally:
+            with lock:
+                free_slots.append(slot)
+
+    def run_one(spec: RunSpec, slot: int) -> tuple[RunSpec, int, float]:
         spec.run_dir.mkdir(parents=True, exist_ok=True)
         t0 = time.perf_counter()
         resumed = "--resume" in spec.args  # the interrupted run's log is kept: its error or last steps came first
@@ -312,8 +347,9 @@ def run_all(specs: list[RunSpec], *, workers: int, console: Console) -> list[tup
             with lock:
                 if stopping.is_set():
                     return spec, -signal.SIGTERM, 0.0
+                own = {**env, "CUDA_VISIBLE_DEVICES": gpus[slot]} if gpus else env
                 proc = subprocess.Popen([sys.executable, "-m", "polyrl", *spec.args], stdout=log,
-                                        stderr=subprocess.STDOUT, env=env)
+                                        stderr=subprocess.STDOUT, env=own)
                 live.add(proc)
             code = proc.wait()
         with lock:
