@@ -290,13 +290,17 @@ def _checkpoints(rank: int, model_dir: str, local_ckpt: str, run_dir: str) -> di
     method = _method("token_mean", kl=True)
     _update(learner, method, STEP, seed=11)
     learner.begin_step(1)
+    torch.rand(1 + rank)  # the ranks' generators draw apart (as dropout on their own rows does)
     path = learner.save(run_dir, 1, {"step": 1})
+    draws = torch.rand(4)
     saved = dict(params=_state(learner.model), critic=_state(learner.critic), reference=_state(learner.reference),
                  optimizer=optimizer_state(learner.model, learner.optimizer),
                  critic_optimizer=optimizer_state(learner.critic, learner.critic_opt), lr=learner.lr,
                  weights=copy.deepcopy(learner.weights()))
     second = _update(learner, method, STEP, seed=12)
     assert rank == 0 or saved["weights"] == {}  # the full state dict lands on rank 0 only
+    _learner(model_dir, mbs=2, critic=True, reference=True, sharded=True).load(path)
+    assert torch.equal(torch.rand(4), draws), f"rank {rank} resumed with another rank's random state"
     return dict(loaded=loaded, saved=saved, second=second, path=str(path))
 
 

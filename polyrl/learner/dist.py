@@ -113,6 +113,15 @@ def barrier() -> None:
         dist.barrier()
 
 
+def all_gather_object(obj) -> list:
+    """Every rank's ``obj``, in rank order, on every rank (``[obj]`` without a process group)."""
+    if not dist.is_initialized():
+        return [obj]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
 def broadcast_object(obj):
     """Rank 0's ``obj`` on every rank."""
     if not dist.is_initialized():

@@ -97,9 +97,10 @@ def save_sharded(run_dir: str | Path, step: int, *, models: dict[str, nn.Module]
     with warnings.catch_warnings():  # "torch.distributed is ... uninitialized, assuming ... a single process"
         warnings.simplefilter("ignore", UserWarning)
         dcp.save(_state_dicts(models, optimizers), checkpoint_id=tmp / SHARDS, no_dist=not dist.is_initialized())
+    rngs = pdist.all_gather_object(rng_state())  # each rank's own: its CPU and GPU generators have drawn apart
     if rank == 0:
-        torch.save({"scheduler": scheduler.state_dict() if scheduler is not None else None, "rng": rng_state(),
-                    "state": state}, tmp / "trainer_state.pt")
+        torch.save({"scheduler": scheduler.state_dict() if scheduler is not None else None, "rng": rngs[0],
+                    "rng_ranks": rngs, "state": state}, tmp / "trainer_state.pt")
     pdist.barrier()  # every rank's shards are written
     if rank == 0:
         files = sorted(str(f.relative_to(tmp)) for f in tmp.rglob("*") if f.is_file())
@@ -158,11 +159,15 @@ def _keep_saved(model: nn.Module, optimizer: Any, saved: set[str]) -> None:
 
 
 def _restore(blob: dict[str, Any], scheduler: Any, restore_rng: bool) -> dict[str, Any]:
-    """Scheduler and RNG states from ``trainer_state.pt``; returns the trainer's state."""
+    """Scheduler and RNG states from ``trainer_state.pt``; returns the trainer's state. Each rank takes its own
+    generators back when the world size is the saved one, else rank 0's (a checkpoint of one process, or a resume
+    at another world size)."""
     if scheduler is not None and blob["scheduler"] is not None:
         scheduler.load_state_dict(blob["scheduler"])
     if restore_rng:
-        set_rng_state(blob["rng"])
+        rank, world = pdist.rank_world()
+        ranks = blob.get("rng_ranks") or []
+        set_rng_state(ranks[rank] if len(ranks) == world else blob["rng"])
     return blob["state"]
 
 
