@@ -470,6 +470,9 @@ def validate(config: TrainConfig) -> None:
         _rule("wandb", cfg.wandb, importlib.util.find_spec("wandb") is not None,
               "needs the wandb package (pip install wandb); TensorBoard events are written without it")
     _rule("temperature", cfg.temperature, cfg.temperature > 0, "must be > 0")
+    _rule("temperature", cfg.temperature, cfg.generator != "vllm" or 0.01 <= cfg.temperature <= 2,
+          "must be in [0.01, 2] with --generator vllm (vLLM refuses more than 2 and samples at 0.01 below it, "
+          "while the trainer would score at the temperature given)")
     _rule("top_p", cfg.top_p, 0 < cfg.top_p <= 1, "must be in (0, 1]")
     batch = cfg.prompts_per_step * cfg.group_size
     _rule("minibatches", cfg.minibatches, batch % cfg.minibatches == 0,

@@ -29,6 +29,8 @@ def _resolve(argv, tmp_path):
     (["--sampler", "tree", "--tree-predictor", "shared"], "tree_predictor"),
     (["--vllm-gpu-memory-utilization", "0"], "vllm_gpu_memory_utilization"),
     (["--vllm-gpu-memory-utilization", "1.5"], "vllm_gpu_memory_utilization"),
+    (["--temperature", "2.5"], "temperature"),  # vLLM refuses it at its first request, after the engine started
+    (["--temperature", "0.005"], "temperature"),  # vLLM samples at 0.01; the trainer would score at 0.005
 ])
 def test_vllm_refuses_what_it_cannot_do_in_one_line(tiny_model, tmp_path, argv, name):
     argv = [a.format(model=tiny_model) for a in argv]
@@ -65,6 +67,33 @@ def test_vllm_adds_tis_unless_a_correction_is_given(tiny_model, tmp_path, vllm_a
     plan = _resolve(["--model", tiny_model, "--generator", "vllm", "--correction", "none"], tmp_path)
     assert plan.method.corrections == ()
     assert [c.name for c in _resolve(["--model", tiny_model], tmp_path).method.corrections] == []
+
+
+def test_the_engine_stops_where_hf_generator_does_and_fits_its_context(monkeypatch):
+    """vLLM's engine (a stand-in with its LLM's surface) gets max_model_len -1, so it fits the context to its memory
+    (a long-context model at the default memory share stopped its start); its EOS set is HFGenerator's: the
+    generation config's and the tokenizer's, the text config's only without a generation config (the model config's
+    extra EOS made the two backends stop on different tokens; a composite config has no top-level eos_token_id)."""
+    import sys
+    import types
+
+    from polyrl.rollout import vllm as backend
+
+    class LLM:
+        def __init__(self, **kw):
+            self.kw = kw
+            self.llm_engine = types.SimpleNamespace(model_config=config)
+
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(LLM=LLM))
+    tokenizer = types.SimpleNamespace(eos_token_id=2, pad_token_id=None)
+    config = types.SimpleNamespace(hf_config=types.SimpleNamespace(eos_token_id=3), try_get_generation_config=dict,
+                                   hf_text_config=types.SimpleNamespace(eos_token_id=5))
+    generator = backend.VLLMGenerator("model_dir", tokenizer)
+    assert generator.llm.kw["max_model_len"] == -1 and generator.eos_ids == [2, 5] and generator.pad_id == 2
+    assert backend.VLLMGenerator("model_dir", tokenizer, max_model_len=4096).llm.kw["max_model_len"] == 4096
+    config.try_get_generation_config = lambda: {"eos_token_id": [2, 4]}
+    config.hf_text_config = types.SimpleNamespace()  # no eos_token_id on a composite config's top level
+    assert backend.VLLMGenerator("model_dir", tokenizer).eos_ids == [2, 4]
 
 
 def test_row_seeds_depend_on_seed_and_key_alone():

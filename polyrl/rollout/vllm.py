@@ -41,6 +41,21 @@ def row_seed(base: int, key: int) -> int:
     return int(np.random.SeedSequence(words).generate_state(1, dtype=np.uint64)[0]) >> 1
 
 
+def engine_eos_ids(model_config, tokenizer) -> list[int]:
+    """The tokens that end a completion, as HFGenerator's: the generation config's EOS (transformers falls back to
+    the model config's text EOS when the directory has no generation config) and the tokenizer's. A composite
+    config (Gemma 3, Qwen2.5-VL, Llava) keeps its EOS on the text config: the top config has no such attribute."""
+    generation = model_config.try_get_generation_config().get("eos_token_id")
+    if generation is None:
+        generation = getattr(model_config.hf_text_config, "eos_token_id", None)
+    eos_ids = set()
+    for value in (generation, tokenizer.eos_token_id):
+        eos_ids.update(value if isinstance(value, list) else [] if value is None else [value])
+    if not eos_ids:
+        raise ValueError("VLLMGenerator: neither the tokenizer nor the model config defines an EOS token")
+    return sorted(eos_ids)
+
+
 class VLLMGenerator:
     """Sample completions with a vLLM engine built from a local model directory (the run's starting weights)."""
 
@@ -50,17 +65,12 @@ class VLLMGenerator:
         from vllm import LLM
 
         self.tokenizer = tokenizer
-        extra = {} if max_model_len is None else {"max_model_len": max_model_len}
+        # -1: vLLM fits the context to the KV-cache memory it has (a fixed length it cannot hold stops its start);
+        # check_prompts_fit then refuses a prompt the length it chose cannot take.
         self.llm = LLM(model=str(model_dir), tokenizer=str(model_dir), dtype=dtype, seed=seed,
-                       gpu_memory_utilization=gpu_memory_utilization, logprobs_mode="processed_logprobs", **extra)
-        eos_ids = set()
-        eos = self.llm.llm_engine.model_config.hf_config.eos_token_id  # the generation config's, as HFGenerator
-        generation = self.llm.llm_engine.model_config.try_get_generation_config().get("eos_token_id")
-        for value in (eos, generation, tokenizer.eos_token_id):
-            eos_ids.update(value if isinstance(value, list) else [] if value is None else [value])
-        if not eos_ids:
-            raise ValueError("VLLMGenerator: neither the tokenizer nor the model config defines an EOS token")
-        self.eos_ids = sorted(eos_ids)
+                       gpu_memory_utilization=gpu_memory_utilization, logprobs_mode="processed_logprobs",
+                       max_model_len=-1 if max_model_len is None else max_model_len)
+        self.eos_ids = engine_eos_ids(self.llm.llm_engine.model_config, tokenizer)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_ids[0]
         self.arbiter = None  # agency transfer is HFGenerator's alone (refused with --generator vllm)
 
@@ -68,7 +78,8 @@ class VLLMGenerator:
         """Copy the trainer's weights (HF names) into the engine's parameters in place, then drop stale KV blocks."""
         weights = list(state_dict.items())
         self.llm.apply_model(lambda model: model.load_weights(weights))
-        self.llm.reset_prefix_cache()
+        if not self.llm.reset_prefix_cache():  # False: blocks of the old weights would be reused
+            raise RuntimeError("vLLM could not reset its prefix cache after a weight load")
 
     def generate(self, prompts: list[str], params: SamplingParams, keys: list[int] | None = None) -> list[Sample]:
         """Sample ``params.n`` completions per prompt (plain texts), grouped by prompt."""
