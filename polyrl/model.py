@@ -27,7 +27,7 @@ from torch.autograd.function import once_differentiable
 
 from polyrl.errors import ConfigError
 from polyrl.runs import cores
-from polyrl.shared_prompt import distinct_prompts, shared_prompt_states
+from polyrl.shared_prompt import distinct_prompts, shared_prompt_states, shares_prompts
 
 DType = Literal["float32", "bfloat16", "float16", "float64"]
 DTYPES: dict[str, torch.dtype] = {
@@ -210,12 +210,12 @@ def linear_head(model: nn.Module) -> nn.Linear:
 
     Both the sampler and ``completion_logprobs`` compute logits as ``head_logits(hidden, head,
     softcap=logit_softcap(model))`` from the base model's final hidden states, so a model that
-    rescales its logits (Cohere, Granite) would be silently wrong: it is refused with a clear error
+    rescales its logits (Cohere, Granite, Falcon-H1) would be silently wrong: it is refused with a clear error
     instead. Final-logit soft-capping (Gemma 2) is applied by ``head_logits``.
     """
     logit_softcap(model)  # refuses a cap the architecture does not apply
     config = model.config.to_dict()
-    for key in ("logit_scale", "logits_scaling"):
+    for key in ("logit_scale", "logits_scaling", "lm_head_multiplier"):
         if config.get(key) not in (None, 1.0):
             raise ValueError(f"models with {key}={config[key]} (rescaled logits) are not supported")
     head = model.get_output_embeddings()
@@ -364,7 +364,7 @@ def completion_logprobs(
         raise ValueError(f"topk={topk} exceeds the vocabulary size {head.out_features}")
 
     position_ids = (attention_mask.long().cumsum(dim=-1) - 1).clamp_min(0)
-    shared = distinct_prompts(input_ids, attention_mask, width) if share_prompts else None
+    shared = distinct_prompts(input_ids, attention_mask, width) if share_prompts and shares_prompts(model) else None
     if shared is not None:
         hidden = shared_prompt_states(model, input_ids, attention_mask, position_ids, width, *shared)  # [B, T, H]
     else:

@@ -37,6 +37,17 @@ def distinct_prompts(input_ids: Tensor, attention_mask: Tensor, width: int) -> t
     return first, inverse
 
 
+def shares_prompts(model: nn.Module) -> bool:
+    """Whether ``model``'s cache holds keys and values alone, which indexing out to the rows copies with their
+    gradients. A hybrid's convolution or recurrent states (Qwen3.5's linear attention, LFM2) are updated in place by
+    the completion block, which breaks the backward pass: such a model runs the plain forward."""
+    from transformers import DynamicCache
+
+    from polyrl.rollout.kv_cache import drops_rows
+
+    return drops_rows(DynamicCache(config=model.config))
+
+
 def shared_prompt_states(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor,
                          width: int, first: Tensor, inverse: Tensor) -> Tensor:
     """Final hidden states [B, width, H] at the positions that predict the ``width`` completion columns (the last

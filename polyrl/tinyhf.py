@@ -52,6 +52,11 @@ _TABLE: dict[str, tuple[str, dict]] = {
     "phi3": ("Phi3Config", dict(_GQA)),
     "gpt2": ("GPT2Config", dict(n_embd=64, n_layer=2, n_head=4, n_inner=96, n_positions=256)),
     "olmo2": ("Olmo2Config", _GQA),
+    # hybrids whose cache holds convolution / recurrent states beside keys and values (finished rows stay in a batch)
+    "lfm2": ("Lfm2Config", dict(_GQA, layer_types=["conv", "full_attention"], block_auto_adjust_ff_dim=False)),
+    "qwen3_5": ("Qwen3_5TextConfig", dict(_GQA, head_dim=16, layer_types=["linear_attention", "full_attention"],
+                                          linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
+                                          linear_num_value_heads=4)),
 }
 
 

@@ -43,6 +43,8 @@ ROWS = [
     ("phi3", False, "multi_eos"),
     ("gpt2", True, "pad_eos"),
     ("olmo2", False, ""),
+    ("lfm2", True, ""),
+    ("qwen3_5", False, "multi_eos"),
 ]
 PARAMS = [
     pytest.param(arch, tied, variant, id=f"{arch}-{'tied' if tied else 'untied'}{'-' + variant if variant else ''}",
@@ -157,6 +159,28 @@ def test_gemma2_soft_cap_is_applied_on_both_paths(tokenizers, tmp_path):
     torch.testing.assert_close(ours[real], theirs[real], atol=1e-4, rtol=1e-4)
     generator = HFGenerator(model, tok)
     samples = generator.generate(PROMPTS, SamplingParams(n=2, max_new_tokens=6, temperature=1.0, seed=0))
+    logp, comp = _teacher_forced(model, samples, generator.pad_id)
+    rollout = torch.zeros_like(logp)
+    for row, s in enumerate(samples):
+        rollout[row, : len(s.logprobs)] = torch.tensor(s.logprobs)
+    torch.testing.assert_close(logp * comp, rollout, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("arch", [pytest.param(a, marks=[] if a in ARCHITECTURES else pytest.mark.skip(
+    reason=f"transformers lacks {a}")) for a in ("lfm2", "qwen3_5", "llama")])
+def test_rows_that_finish_early_leave_the_others_decoding(arch, tokenizers, tmp_path):
+    """Rows stop at different steps (most tokens are stop tokens here). A hybrid's cache (LFM2's convolutions,
+    Qwen3.5's linear attention) keeps states that dropping finished rows leaves behind: the batch crashed there at
+    the first finished row. Every row's log-probs still equal the teacher-forced ones."""
+    model, tok = load_policy(build_tiny(arch, tmp_path / "m", tokenizer=tokenizers[False]), threads=1)
+    generator = HFGenerator(model, tok)
+    stops = tuple(range(4, len(tok) // 2))
+    samples = generator.generate(PROMPTS, SamplingParams(n=3, max_new_tokens=8, seed=1, stop_token_ids=stops))
+    lengths = {len(s.completion_token_ids) for s in samples}
+    assert len(lengths) > 1 and max(lengths) > 2, lengths  # some rows finished while others went on
+    for s in samples:
+        assert s.finish_reason == "length" or s.completion_token_ids[-1] in (*generator.eos_ids, *stops)
+        assert not any(t in stops for t in s.completion_token_ids[:-1])  # nothing was written after a stop
     logp, comp = _teacher_forced(model, samples, generator.pad_id)
     rollout = torch.zeros_like(logp)
     for row, s in enumerate(samples):

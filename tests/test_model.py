@@ -189,7 +189,8 @@ def test_no_grad_path_and_shape_errors(model64):
 def test_heads_that_rescale_logits_are_refused(model64):
     assert linear_head(model64) is model64.lm_head
     ids, attention, mask = make_batch(*LENGTHS, model64.config.vocab_size)
-    for key, value in (("final_logit_softcapping", 30.0), ("logit_scale", 0.0625)):
+    for key, value in (("final_logit_softcapping", 30.0), ("logit_scale", 0.0625),
+                       ("lm_head_multiplier", 0.25)):  # Falcon-H1 multiplies its logits
         setattr(model64.config, key, value)
         try:
             with pytest.raises(ValueError, match=key):

@@ -41,7 +41,7 @@ from polyrl.errors import TrainingError
 from polyrl.model import context_length, float32_head, head_logits, linear_head, logit_softcap, process_logits
 from polyrl.rollout.agency.arbiter import AgencyArbiter
 from polyrl.rollout.generator import Sample, SamplingParams, check_prompts_fit, draw_tokens
-from polyrl.rollout.kv_cache import decode_cache, fill_order
+from polyrl.rollout.kv_cache import decode_cache, drops_rows, fill_order
 from polyrl.shared_prompt import cache_keyword, distinct_prompts
 from polyrl.tasks.chat import prompt_ids as encode_prompts
 
@@ -170,6 +170,11 @@ class HFGenerator:
         cache = decode_cache(self.model.config, width + steps)  # keys written in place, not concatenated
         self._heads = {id(self.model): self._sampling_head(self.head)}  # a float32 copy made once per call
         logits = self._prefill(input_ids, attention_mask, position_ids, cache, shared)
+        keep_rows = not drops_rows(cache)  # finished rows stay in the batch; what they draw after EOS is dropped
+        done = torch.zeros(count, dtype=torch.bool, device=device)
+        if keep_rows and arbiter is not None:
+            raise ValueError("agency transfer needs a model whose cache drops finished rows (keys and values only); "
+                             "this one keeps recurrent states (a linear-attention or state-space model)")
         if arbiter is not None:
             mix = arbiter.start(coins[:, 0])
             self._heads[id(arbiter.baseline)] = self._sampling_head(linear_head(arbiter.baseline))
@@ -184,14 +189,23 @@ class HFGenerator:
                 token, logp = arbiter.pick(_processed(logits, params), _processed(base_logits, params),
                                            params.temperature == 0, uniforms[rows, step], coins[rows, step + 1], mix,
                                            rows)
-            tokens[rows, step] = token
-            logps[rows, step] = logp
-            lengths[rows] = step + 1
-            finished = torch.isin(token, eos_ids)
-            stopped[rows] = finished
-            if step == steps - 1 or bool(finished.all()):
-                break
-            if bool(finished.any()):
+            if keep_rows:  # every row is still here: write only those that had not finished
+                at, finished = ~done, torch.isin(token, eos_ids) & ~done
+                tokens[at, step], logps[at, step], lengths[at], stopped[at] = token[at], logp[at], step + 1, \
+                    finished[at]
+                sq[done, step] = 0.0
+                done |= finished
+                if step == steps - 1 or bool(done.all()):
+                    break
+            else:
+                tokens[rows, step] = token
+                logps[rows, step] = logp
+                lengths[rows] = step + 1
+                finished = torch.isin(token, eos_ids)
+                stopped[rows] = finished
+                if step == steps - 1 or bool(finished.all()):
+                    break
+            if not keep_rows and bool(finished.any()):
                 live = fill_order(finished)  # the live rows, ordered to move the fewest cache rows
                 rows, token, next_position = rows[live], token[live], next_position[live]
                 attention_mask = attention_mask[live]

@@ -83,6 +83,15 @@ def decode_cache(config, capacity: int) -> DynamicCache:
     return cache
 
 
+def drops_rows(cache: DynamicCache) -> bool:
+    """Whether finished rows can leave ``cache`` (``batch_select_indices``): keys and values are all its layers hold.
+    A linear-attention or state-space layer (LFM2, Qwen3.5, Falcon-H1) keeps convolution and recurrent states that
+    row selection leaves behind, so such a cache keeps every row to the end of the batch."""
+    from transformers.cache_utils import DynamicSlidingWindowLayer
+
+    return all(type(layer) in (InPlaceLayer, DynamicLayer, DynamicSlidingWindowLayer) for layer in cache.layers)
+
+
 def fill_order(finished: Tensor) -> Tensor:
     """The rows to keep [live] when the ``finished`` [n] rows leave a decode batch, ordered to move the fewest.
 
