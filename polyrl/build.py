@@ -535,7 +535,7 @@ def build_components(cfg: TrainConfig, method, task, model_dir: str) -> Componen
     from polyrl.learner.dist import device, init_from_env, pick_device
     from polyrl.learner.local import ValueHead
     from polyrl.learner.lora import BaseReference
-    from polyrl.model import context_length, load_policy
+    from polyrl.model import context_length, disable_dropout, load_policy
     from polyrl.ranks import RankEvaluator, RankSource
     from polyrl.rollout.agency.arbiter import AgencyArbiter, AgencySource
     from polyrl.rollout.agency.config import parse_schedule
@@ -551,7 +551,7 @@ def build_components(cfg: TrainConfig, method, task, model_dir: str) -> Componen
     on = where if ranks is None else torch.device("cpu")
     rewards = RewardChannels(task, *parse_reward_specs(cfg.reward_funcs, cfg.reward_weights))
     policy, tokenizer = load_policy(model_dir, dtype=cfg.dtype, threads=_trainer_threads(cfg))
-    policy.to(on)
+    disable_dropout(policy).to(on)  # before the critic copies it and LoRA adds its own
     task = formatted_task(task, PromptFormat(tokenizer, cfg.data.chat_template, cfg.data.system_prompt,
                                              model=f"model {model_dir!r}"))
     critic = ValueHead(copy.deepcopy(policy)).to(on) if method.needs_values else None

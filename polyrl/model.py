@@ -119,6 +119,25 @@ def load_policy(model_dir: str | Path, *, dtype: DType = "float32", threads: int
     return model, tokenizer
 
 
+def disable_dropout(model: nn.Module) -> nn.Module:
+    """Turn off the dropout a model's config sets (GPT-2's and OPT's 0.1), as TRL's ``disable_dropout`` does: the
+    training pass runs in train mode, where dropout would make its log-probs differ from the rollout's (pi_old and
+    the KL to a reference computed on a perturbed policy: ``rollout/logp_mismatch`` 0.05 on GPT-2). Every
+    ``nn.Dropout`` gets p = 0, and so does each float attribute named ``*dropout*`` or ``*pdrop*`` of a module (OPT's
+    and Llama's attention pass theirs to the kernel) and of the config. Adapters added later keep their own."""
+    def off(names: dict) -> list[str]:
+        return [k for k, v in names.items() if ("dropout" in k or "pdrop" in k) and isinstance(v, float) and v]
+
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+        for name in off(vars(module)):
+            setattr(module, name, 0.0)
+    for name in off(model.config.to_dict()):
+        setattr(model.config, name, 0.0)
+    return model
+
+
 def context_length(model_or_config) -> int | None:
     """The positions a model can embed, where that is a hard limit: ``config.max_position_embeddings`` (GPT-2's
     ``n_positions`` through transformers' attribute map) of a model with a learned position table; None for a rotary

@@ -188,6 +188,22 @@ def test_rows_that_finish_early_leave_the_others_decoding(arch, tokenizers, tmp_
     torch.testing.assert_close(logp * comp, rollout, atol=1e-4, rtol=0)
 
 
+@pytest.mark.skipif("gpt2" not in ARCHITECTURES, reason="transformers lacks GPT-2")
+def test_a_config_s_dropout_is_off_so_training_scores_what_was_sampled(tokenizers, tmp_path):
+    """GPT-2's config sets dropout 0.1 (resid, embd, attn); the training pass runs in train mode, where it made the
+    trainer's log-probs differ from the rollout's (rollout/logp_mismatch 0.05)."""
+    model_dir = build_tiny("gpt2", tmp_path / "m", tokenizer=tokenizers[False])
+    assert json.loads((model_dir / "config.json").read_text())["resid_pdrop"] == 0.1
+    cfg = build_config(dict(steps=1, prompts_per_step=2, group_size=2, max_new_tokens=6, eval_prompts=2,
+                            eval_every=0, checkpoint_every=0, tensorboard=False, log_every=0, threads=1,
+                            reward_funcs="tests.reward_fns:digit_fraction"))
+    train(cfg, get_method("grpo"), model_dir=str(model_dir), task=AdditionTask(), run_dir=str(tmp_path / "r"),
+          console=QUIET)
+    rows = [json.loads(line) for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    mismatch = [r["rollout/logp_mismatch"] for r in rows if "rollout/logp_mismatch" in r]
+    assert len(mismatch) == 1 and mismatch[0] < 1e-5, rows
+
+
 @pytest.mark.parametrize("stop_token", ["<eos>", END_OF_TURN])
 def test_every_eos_id_of_the_generation_config_stops_a_row(tokenizers, tmp_path, stop_token):
     model, tok = load_policy(build_tiny("llama", tmp_path / "m", tied=False, tokenizer=tokenizers[False],
