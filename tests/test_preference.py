@@ -71,7 +71,7 @@ def test_dpo_hand_computed_loss_and_gradient():
     assert a == pytest.approx(0.024750008333000017, 1e-12)
     torch.testing.assert_close(grad, _expected_grad([-a, a, b, -b]), rtol=1e-10, atol=1e-14)
     assert out.metrics["objective/reward_accuracy"].item() == 1.0
-    assert out.metrics["objective/reward_margin"].item() == pytest.approx(0.35)
+    assert out.metrics["objective/reward_margin"].item() == pytest.approx(0.035)  # beta (h_c - h_r), TRL's margin
 
 
 def test_ipo_hand_computed_loss_and_gradient():
@@ -269,6 +269,13 @@ def _resolve(argv, tmp_path):
     (["--method", "dpo", "--preference-file", "{bad}"], "row 2 field 'rejected'"),
     (["--method", "dpo", "--preference-file", "{file}", "--micro-batch-size", "3"], "micro_batch_size = 3"),
     (["--method", "dpo", "--preference-file", "{file}", "--correction", "tis"], "preference_file"),
+    # a shaper changes the labels: a chosen row past --max-new-tokens tied with, or fell below, its rejected one
+    (["--method", "dpo", "--preference-file", "{file}", "--shaper", "overlong_soft"], "shapers"),
+    # TRL's DPO scores the model's own distribution; a temperature silently rescaled the loss and its gradient
+    (["--method", "dpo", "--preference-file", "{file}", "--temperature", "0.5"], "temperature = 0.5"),
+    # the pairs are ordered by each sequence's advantage: a critic's (GAE) could name the rejected row chosen
+    (["--method", "dpo", "--preference-file", "{file}", "--advantage", "gae"], "advantage = 'gae'"),
+    (["--method", "kto", "--advantage", "reinforce_pp"], "advantage = 'reinforce_pp'"),
 ])
 def test_builder_refuses_split_groups_and_moot_offline_settings(tiny_model, tmp_path, argv, needle):
     file = _write(tmp_path / "p.jsonl", ROWS)

@@ -69,8 +69,11 @@ def pair_weights(adv: Tensor, group_ids: Tensor, has: Tensor, pairs: Pairs = "al
     return better.to(adv.dtype) / count.clamp_min(1.0)[:, None]
 
 
-def _pairwise(inp: LossInputs, score: Tensor, pair_loss, pairs: Pairs) -> tuple[Tensor, dict[str, Tensor]]:
-    """Per-token loss from per-sequence scores [B] and a pair loss f(score_chosen - score_rejected) [B, B]."""
+def _pairwise(inp: LossInputs, score: Tensor, pair_loss, pairs: Pairs,
+              beta: float) -> tuple[Tensor, dict[str, Tensor]]:
+    """Per-token loss from per-sequence scores [B] and a pair loss f(score_chosen - score_rejected) [B, B].
+    ``reward_margin`` is the mean implicit-reward margin beta (score_c - score_r) of the pairs formed, as TRL's
+    ``rewards/margins``."""
     if inp.group_ids is None:
         raise ValueError("preference trust regions need LossInputs.group_ids (pairs are formed within groups)")
     has = inp.mask.sum(-1) > 0
@@ -83,7 +86,7 @@ def _pairwise(inp: LossInputs, score: Tensor, pair_loss, pairs: Pairs) -> tuple[
     group_loss = torch.where(has, same @ by_chosen, torch.zeros_like(by_chosen))  # [B] L_g of each sequence's group
     n = formed.sum().clamp_min(1)
     margins = torch.where(formed, diff.detach(), 0.0)
-    metrics = {"pairs": formed.sum().to(torch.float32), "reward_margin": margins.sum() / n,
+    metrics = {"pairs": formed.sum().to(torch.float32), "reward_margin": beta * margins.sum() / n,
                "reward_accuracy": (formed & (margins > 0)).sum().to(torch.float32) / n}
     return _place(group_loss, inp.mask), metrics
 
@@ -96,7 +99,8 @@ def _band(z: Tensor, mask: Tensor, lo: float, hi: float) -> tuple[Tensor, Tensor
 
 _DPO = {"beta": ">0"}
 _BAND = {"log_eps_p": "<=0", "log_eps_r": ">=0"}
-_TAGS = ("needs_ref", "whole_groups")
+# "labels": each sequence's advantage is read as its preference label (its order in the group, or its sign)
+_TAGS = ("needs_ref", "whole_groups", "labels")
 
 
 @TRUST_REGIONS.register("dpo", paper="arXiv:2305.18290", ranges=_DPO, tags=_TAGS)
@@ -108,7 +112,7 @@ def dpo(inp: LossInputs, log_ratio: Tensor, *, beta: float = 0.1,
     reward is beta h). Convention: TRL's and HALOs' sigmoid loss, beta 0.1, mean over pairs (no label smoothing).
     """
     h = _sum(inp.logp - _ref(inp, "dpo"), inp.mask)
-    return _pairwise(inp, h, lambda d: -F.logsigmoid(beta * d), pairs)
+    return _pairwise(inp, h, lambda d: -F.logsigmoid(beta * d), pairs, beta)
 
 
 @TRUST_REGIONS.register("ipo", paper="arXiv:2310.12036", ranges=_DPO, tags=_TAGS)
@@ -121,11 +125,11 @@ def ipo(inp: LossInputs, log_ratio: Tensor, *, beta: float = 0.1,
     """
     n = inp.mask.sum(-1).clamp_min(1.0)
     h = _sum(inp.logp - _ref(inp, "ipo"), inp.mask) / n
-    return _pairwise(inp, h, lambda d: (d - 1.0 / (2.0 * beta)) ** 2, pairs)
+    return _pairwise(inp, h, lambda d: (d - 1.0 / (2.0 * beta)) ** 2, pairs, beta)
 
 
 @TRUST_REGIONS.register("simpo", paper="arXiv:2405.14734", ranges={"beta": ">0", "gamma": ">=0"},
-                        tags=("whole_groups",))
+                        tags=("whole_groups", "labels"))
 def simpo(inp: LossInputs, log_ratio: Tensor, *, beta: float = 2.0, gamma: float = 1.0,
           pairs: Pairs = "all") -> tuple[Tensor, dict[str, Tensor]]:
     """SimPO: -log sigmoid(beta (s_c - s_r) - gamma), s = mean_t lp_t, with no reference model.
@@ -135,7 +139,7 @@ def simpo(inp: LossInputs, log_ratio: Tensor, *, beta: float = 2.0, gamma: float
     simpo_gamma 0.5); reads no ref_logp, so the preset scores no reference.
     """
     s = _sum(inp.logp, inp.mask) / inp.mask.sum(-1).clamp_min(1.0)
-    return _pairwise(inp, s, lambda d: -F.logsigmoid(beta * d - gamma), pairs)
+    return _pairwise(inp, s, lambda d: -F.logsigmoid(beta * d - gamma), pairs, beta)
 
 
 @TRUST_REGIONS.register("humanline_dpo", paper="arXiv:2509.24207", ranges={**_DPO, **_BAND}, tags=_TAGS)
@@ -149,7 +153,7 @@ def humanline_dpo(inp: LossInputs, log_ratio: Tensor, *, beta: float = 0.1, log_
     epoch on (--epochs-per-batch) [assumed: the clamp form of spec section 20, not HALOs' older Beta sampling].
     """
     z, frac = _band(inp.logp - _ref(inp, "humanline_dpo"), inp.mask, log_eps_p, log_eps_r)
-    loss, metrics = _pairwise(inp, _sum(z, inp.mask), lambda d: -F.logsigmoid(beta * d), pairs)
+    loss, metrics = _pairwise(inp, _sum(z, inp.mask), lambda d: -F.logsigmoid(beta * d), pairs, beta)
     return loss, {**metrics, "band_frac": frac}
 
 
@@ -168,7 +172,7 @@ def _kto(inp: LossInputs, h: Tensor, beta: float, desirable_weight: float,
 _KTO = {"beta": ">0", "desirable_weight": ">=0", "undesirable_weight": ">=0"}
 
 
-@TRUST_REGIONS.register("kto", paper="arXiv:2402.01306", ranges=_KTO, tags=("needs_ref",))
+@TRUST_REGIONS.register("kto", paper="arXiv:2402.01306", ranges=_KTO, tags=("needs_ref", "labels"))
 def kto(inp: LossInputs, log_ratio: Tensor, *, beta: float = 0.1, desirable_weight: float = 1.0,
         undesirable_weight: float = 1.0) -> tuple[Tensor, dict[str, Tensor]]:
     """Kahneman-Tversky Optimization: w_D (1 - sigmoid(beta (h - z0))) if desirable, w_U (1 - sigmoid(beta (z0 - h))).
@@ -182,7 +186,8 @@ def kto(inp: LossInputs, log_ratio: Tensor, *, beta: float = 0.1, desirable_weig
     return _kto(inp, _sum(inp.logp - _ref(inp, "kto"), inp.mask), beta, desirable_weight, undesirable_weight)
 
 
-@TRUST_REGIONS.register("humanline_kto", paper="arXiv:2509.24207", ranges={**_KTO, **_BAND}, tags=("needs_ref",))
+@TRUST_REGIONS.register("humanline_kto", paper="arXiv:2509.24207", ranges={**_KTO, **_BAND},
+                        tags=("needs_ref", "labels"))
 def humanline_kto(inp: LossInputs, log_ratio: Tensor, *, beta: float = 0.1, desirable_weight: float = 1.0,
                   undesirable_weight: float = 1.0, log_eps_p: float = -1.0,
                   log_eps_r: float = 1.5) -> tuple[Tensor, dict[str, Tensor]]:

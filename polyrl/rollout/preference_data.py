@@ -104,6 +104,14 @@ def preference_problem(method, given: Mapping[str, Any], defaults: Mapping[str, 
                     "rows); allowed: 1")
         if given["sampler"] != "uniform":
             return f"sampler = {given['sampler']!r} is not allowed: {why}; allowed: 'uniform'"
+    from polyrl.registry import ADVANTAGES, TRUST_REGIONS
+
+    if "labels" in TRUST_REGIONS.spec(method.trust_region.name).tags and \
+            "needs_groups" not in ADVANTAGES.spec(method.advantage.name).tags:
+        allowed = ", ".join(n for n in ADVANTAGES.names() if "needs_groups" in ADVANTAGES.spec(n).tags)
+        return (f"advantage = {method.advantage.name!r} is not allowed with trust region "
+                f"{method.trust_region.name!r}: it reads each sequence's advantage as its preference label, which "
+                f"only a group-relative estimator keeps in the order of the rewards; allowed: {allowed}")
     if file is None:
         return None
     for name, why in _MOOT_OFFLINE.items():
@@ -111,10 +119,14 @@ def preference_problem(method, given: Mapping[str, Any], defaults: Mapping[str, 
             return f"{name} = {given[name]!r} has no effect with preference_file = {file!r} ({why}); drop it"
     if given["sampler"] != "uniform":
         return f"sampler = {given['sampler']!r} is not allowed with preference_file = {file!r}; allowed: 'uniform'"
-    if method.corrections or method.anchor == "rollout" or method.filters:
+    if method.corrections or method.anchor == "rollout" or method.filters or method.shapers:
         return (f"preference_file = {file!r} is not allowed with method {method.name!r}: offline rows have no "
-                "rollout log-probs and no groups to filter (allowed: a method without corrections, filters and "
-                "anchor 'rollout', e.g. dpo, ipo, simpo, kto)")
+                "rollout log-probs, no groups to filter and rewards that are their labels, which a shaper would "
+                "change (allowed: a method without corrections, filters, shapers and anchor 'rollout', e.g. dpo, "
+                "ipo, simpo, kto)")
+    if given["temperature"] != 1.0:
+        return (f"temperature = {given['temperature']!r} is not allowed with preference_file = {file!r}: a row's "
+                "log-probs are of the model's own distribution, as in TRL's DPO (nothing is sampled); allowed: 1.0")
     try:
         read_pairs(file)
     except ValueError as e:
