@@ -157,6 +157,11 @@ def resolve_train(args: argparse.Namespace, *, claim: Callable[[str], None] | No
         RewardChannels(task, *parse_reward_specs(cfg.reward_funcs, cfg.reward_weights))  # imports them: fail now
     except (ValueError, FileNotFoundError, KeyError) as e:
         raise ConfigError(f"task = {cfg.task!r}: {e}") from None
+    own = getattr(task, "max_new_tokens", None)  # a task whose episodes need more than the default cap
+    if own is not None and "max_new_tokens" not in values and own != cfg.max_new_tokens:
+        cfg.max_new_tokens = own
+        notes.append(f"max_new_tokens = {own}: task {cfg.task!r}'s own cap (a tool call, the reply and the answer "
+                     "fit in it); --max-new-tokens sets another")
     where = check_combinations(cfg, method, task)
     method = _channel_weights(cfg, method, notes)
     if cfg.scale.device == "auto" and where.type == "cuda":
@@ -711,6 +716,7 @@ def _rollout_runner(cfg: TrainConfig, method, learner, local, arbiter, model_dir
     actors = cfg.scale.actors(cfg.prefetch.staleness)
     if not actors:
         return local
+    from polyrl.learner.common import unfiltered
     from polyrl.learner.lora import plain_state_dict
     from polyrl.rollout.remote import RemoteRunner, WorkerPool, WorkerSpec
 
@@ -720,7 +726,7 @@ def _rollout_runner(cfg: TrainConfig, method, learner, local, arbiter, model_dir
                       threads=_generator_threads(cfg), baseline_dir=cfg.agency.baseline, agency_mode=cfg.agency.mode,
                       reference=method.needs_ref and not method.ref_sync_every,
                       reference_dir=cfg.distill.teacher,
-                      logprob_kwargs=dict(micro_batch_size=cfg.micro_batch_size, **learner.sampling))
+                      logprob_kwargs=dict(micro_batch_size=cfg.micro_batch_size, **unfiltered(learner.sampling)))
     pool = WorkerPool(spec, workers=actors, address=cfg.scale.ray_address, cpus=cfg.scale.ray_cpus,
                       gpus_per_worker=cfg.scale.rollout_worker_gpus, trainer_gpus=trainer_gpus,
                       weights=lambda: plain_state_dict(local.generator.model))

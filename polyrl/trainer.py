@@ -256,7 +256,7 @@ def rl_step(cfg: TrainConfig, method: Method, state: TrainState, parts: Componen
 
     # 5. metrics -------------------------------------------------------------------------------------
     t_end = time.perf_counter()
-    gen_tokens = float(batch.lengths.sum())
+    gen_tokens = float(tb.loss_mask.sum())  # tokens the policy wrote (an environment's reply is not one)
     train_tokens = float(tb.attention_mask.sum()) * cfg.epochs_per_batch
     metrics.update({"perf/generate_s": t_gen - t_start, "perf/score_s": t_score - t_gen,
                     "perf/train_s": t_end - t_score,

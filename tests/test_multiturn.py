@@ -190,6 +190,47 @@ def test_the_length_cap_counts_environment_tokens():
     assert s.completion_token_ids == ids("<12*3") and s.loss_mask == [1] * 5 and len(gen.calls) == 1
 
 
+def test_tokens_written_count_the_policys_tokens_not_the_environments():
+    """rollout/useful_groups_per_token divides by the tokens the policy wrote: an environment's reply is not one
+    (it was counted, so a longer product made the same episode look costlier)."""
+    from polyrl.rollout.collect import collect
+    from polyrl.rollout.generator import written_tokens
+    from polyrl.tasks.rewards import RewardChannels
+
+    task, p = CalculatorTask(), calc_prompt(12, 3)
+    answers = iter(["36", "37"])  # one right, one wrong: a mixed group
+
+    def script(context: str) -> tuple[str, bool]:
+        return (f"<{context[:-1]}>", False) if context.endswith("=") else (next(answers), True)
+
+    runner = EpisodeRunner(ScriptedGenerator(script), TOK, task)
+    batch = collect(runner.sample, RewardChannels(task), get_method("grpo"), lambda k: [(0, p)] * k, num_groups=1,
+                    params=SamplingParams(n=2, max_new_tokens=20, seed=0), history={})
+    assert [s.text for s in batch.samples] == ["<12*3>36\n36", "<12*3>36\n37"]
+    assert written_tokens(batch.samples) == 2 * (6 + 3) and batch.lengths.tolist() == [12, 12]  # 3 env tokens each
+    assert batch.stats["rollout/useful_groups_per_token"] == pytest.approx(1 / 18)
+
+
+def test_the_calculator_task_sets_its_own_length_cap_unless_one_is_given(tmp_path):
+    """`polyrl train --task calculator` (the README's command) ran with the default cap of 8 tokens, in which no
+    episode fits (a call is 7, its reply 3 more): every reward was 0 and no group had a gradient."""
+    import argparse
+
+    from polyrl.build import add_train_args, resolve_train
+
+    def plan(*argv):
+        parser = argparse.ArgumentParser()
+        add_train_args(parser)
+        return resolve_train(parser.parse_args(["--task", "calculator", *argv, "--run-dir", str(tmp_path / "x")]))
+
+    task = CalculatorTask()
+    longest = max(len(ids(p.demo)) for p in task.prompts("train", 200, 0))
+    default = plan()
+    assert default.cfg.max_new_tokens == task.max_new_tokens == 24 >= longest + 1  # + EOS
+    assert any(n.startswith("max_new_tokens = 24: task 'calculator'") for n in default.notes)
+    assert plan("--max-new-tokens", "12").cfg.max_new_tokens == 12
+
+
 def test_max_turns_and_unanswerable_calls_end_the_episode():
     task, p = CalculatorTask(), calc_prompt(12, 3)
     always_call = ScriptedGenerator(lambda context: ("<1+1>", False))
@@ -250,6 +291,29 @@ def test_plain_tasks_run_single_turn():
     (s,) = EpisodeRunner(gen, TOK, AdditionTask()).sample([prompt], SamplingParams(n=1, max_new_tokens=10, seed=0))
     assert s.completion_token_ids == ids("4>5") + [EOS] and s.loss_mask == [1] * 4 and s.turn_ids == [0] * 4
     assert gen.calls[0][1].stop_token_ids == ()  # ">" is an ordinary token here
+
+
+def test_a_sentencepiece_style_tokenizer_stops_on_the_call_and_keeps_the_reply_s_spelling():
+    """A Metaspace tokenizer (Llama 2, Mistral) writes ">" alone as "▁>", another token than the ">" that closes
+    "<37*58>" in a transcript: the tool was never called. And the reply encoded alone started with a word marker,
+    so the transcript read "<37*58> 2146"."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    texts = [f"{a}*{b}= <{a}*{b}>{a * b}\n{a * b} and a > b" for a in range(10, 60) for b in range(10, 40)]
+    core = Tokenizer(models.BPE(unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first")
+    core.decoder = decoders.Metaspace(replacement="\u2581", prepend_scheme="first")
+    core.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=300, special_tokens=["<pad>", "<s>", "</s>",
+                                                                                         "<unk>"]))
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+                                  unk_token="<unk>")
+    call = tok("37*58= <37*58>", add_special_tokens=False)["input_ids"]
+    assert tok.convert_ids_to_tokens(tok(">", add_special_tokens=False)["input_ids"]) == ["\u2581>"]
+    runner = EpisodeRunner(ScriptedGenerator(call_then_answer), tok, CalculatorTask())
+    assert call[-1] in runner.stop_ids and tok.convert_ids_to_tokens(call[-1]) == ">"
+    model_call = tok("<37*58>", add_special_tokens=False)["input_ids"]
+    assert tok.decode(model_call + runner._reply_ids("2146\n")) == "<37*58>2146\n"
 
 
 def test_tool_stop_must_be_one_token():

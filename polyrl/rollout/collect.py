@@ -18,7 +18,7 @@ from torch import Tensor
 
 from polyrl.objectives import Method
 from polyrl.registry import ADVANTAGES, FILTERS
-from polyrl.rollout.generator import Sample, SamplingParams
+from polyrl.rollout.generator import Sample, SamplingParams, written_tokens
 from polyrl.rollout.score import mixed_groups, shape
 from polyrl.tasks.base import Prompt
 from polyrl.tasks.rewards import RewardChannels
@@ -111,7 +111,7 @@ def collect(
             # *accuracy* is all-0 or all-1 (verl filter_groups.metric=acc); a length penalty must not rescue them.
             keep &= FILTERS.fn(filt.name)(scores, gids, truncated, history, **filt.params)
         generated += len(samples)
-        tokens_generated += int(lengths.sum())
+        tokens_generated += written_tokens(samples)
         useful += int(mixed_groups(scores, G).sum()) * G
         for g, (pool_idx, prompt) in enumerate(drawn):
             rows = slice(g * G, (g + 1) * G)

@@ -102,7 +102,11 @@ class EpisodeRunner:
             if len(ids) != 1:
                 raise ValueError(f"task {task.name!r}: tool_stop = {task.tool_stop!r} must be one token of the "
                                  f"tokenizer, got {len(ids)} tokens")
-            self.stop_ids = (ids[0],)
+            # After other text a SentencePiece-style tokenizer (Metaspace: Llama 2, Mistral) writes the character
+            # as another token than alone ("▁>" alone, ">" after "7"): both end a turn.
+            inside = tokenizer("0" + task.tool_stop, add_special_tokens=False)["input_ids"][-1:]
+            inside = [i for i in inside if tokenizer.decode([i]) == task.tool_stop]
+            self.stop_ids = tuple(sorted({ids[0], *inside}))
         self.max_turns = task.max_turns if self.tool else 1
 
     def new(self, prompts: list[Prompt], n: int) -> list[Episode]:
@@ -165,6 +169,17 @@ class EpisodeRunner:
             e.done = True
         return episodes
 
+    def _reply_ids(self, reply: str) -> list[int]:
+        """The environment's reply as tokens of the text it continues (it follows the tool call's stop character).
+        Alone, a SentencePiece-style tokenizer starts it with a word marker ("2146" became " 2146" in the
+        transcript); encoded after the stop character, then cut where that character's own tokens end, it does
+        not. A reply that merges with the stop character is encoded alone."""
+        stop = self.tokenizer(self.task.tool_stop, add_special_tokens=False)["input_ids"]
+        after = self.tokenizer(self.task.tool_stop + reply, add_special_tokens=False)["input_ids"]
+        if after[: len(stop)] == stop:
+            return after[len(stop):]
+        return self.tokenizer(reply, add_special_tokens=False)["input_ids"]
+
     def _extend(self, e: Episode, s: Sample, cap: int) -> None:
         if s.sum_pi_sq is not None:  # environment tokens before this turn hold 0 (they carry no loss)
             e.sum_pi_sq = (e.sum_pi_sq or [0.0] * len(e.token_ids)) + s.sum_pi_sq
@@ -185,8 +200,7 @@ class EpisodeRunner:
         if reply is None:
             e.done = True
             return
-        env = self.tokenizer(reply, add_special_tokens=False)["input_ids"]
-        env = env[: cap - len(e.token_ids)]  # the cap counts environment tokens too
+        env = self._reply_ids(reply)[: cap - len(e.token_ids)]  # the cap counts environment tokens too
         e.token_ids += env
         e.logprobs += [0.0] * len(env)
         if e.sum_pi_sq is not None:

@@ -56,6 +56,12 @@ class CalculatorTask:
         self.digits = digits
         self.name = "calculator" if digits == 2 else f"calculator{digits}"
 
+    @property
+    def max_new_tokens(self) -> int:
+        """The length cap a run takes unless it sets one (``polyrl train``'s 8 fits no episode): a perfect episode,
+        call, reply and answer, is 6 d + 5 characters with EOS (17 at d = 2); 8 d + 8 leaves room for a detour."""
+        return 8 * self.digits + 8
+
     @cached_property
     def _pools(self) -> dict[str, list[tuple[int, int]]]:
         low, high = 10 ** (self.digits - 1), 10**self.digits

@@ -40,7 +40,7 @@ from torch import Tensor
 from polyrl.objectives import Method
 from polyrl.rollout.collect import NoUsableGroups, RolloutBatch
 from polyrl.rollout.episodes import Episode, EpisodeRunner, prefix_episode
-from polyrl.rollout.generator import SamplingParams
+from polyrl.rollout.generator import SamplingParams, written_tokens
 from polyrl.rollout.score import mixed, shape, succeeded
 from polyrl.rollout.tree.allocation import (
     EXACT_STRENGTH,
@@ -227,7 +227,7 @@ class TreeSampler:
         root_groups = set(root_of)
         mixed_roots = sum(mixed([root_scores[j] for j in range(len(roots)) if root_of[j] == k]) for k in root_groups)
         mixed_sibs = sum(mixed(scores[sibling == a].tolist()) for a in range(len(chosen)))
-        tokens = int(lengths.sum())
+        tokens = written_tokens(samples)  # a continuation's copied prefix was written once, by its root
         weight = None
         if inclusion is not None:  # sampled roots: the expected loss is that of prompts drawn uniformly
             weight = root_weights(torch.tensor(index), inclusion)
