@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import weakref
 
 import torch
 from torch import Tensor, nn
@@ -37,15 +38,20 @@ def distinct_prompts(input_ids: Tensor, attention_mask: Tensor, width: int) -> t
     return first, inverse
 
 
+_SHARES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> shares_prompts (once per model)
+
+
 def shares_prompts(model: nn.Module) -> bool:
     """Whether ``model``'s cache holds keys and values alone, which indexing out to the rows copies with their
     gradients. A hybrid's convolution or recurrent states (Qwen3.5's linear attention, LFM2) are updated in place by
     the completion block, which breaks the backward pass: such a model runs the plain forward."""
-    from transformers import DynamicCache
+    if model not in _SHARES:
+        from transformers import DynamicCache
 
-    from polyrl.rollout.kv_cache import drops_rows
+        from polyrl.rollout.kv_cache import drops_rows
 
-    return drops_rows(DynamicCache(config=model.config))
+        _SHARES[model] = drops_rows(DynamicCache(config=model.config))
+    return _SHARES[model]
 
 
 def shared_prompt_states(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor,
