@@ -244,14 +244,25 @@ def _check_contexts(cfg: TrainConfig, notes: list[str]) -> None:
 def _check_data_prompts(task, tokenizer, max_new_tokens: int, context: int | None) -> None:
     """Every prompt of a data file fits the model's context with ``max_new_tokens``, checked before any step (as
     verl's truncation='error'; the sampler refuses one too, but only once a step reaches it, hours in)."""
-    size = getattr(task, "split_size", None)
-    if context is None or size is None:
+    size, unk = getattr(task, "split_size", None), getattr(tokenizer, "unk_token_id", None)
+    if (context is None and unk is None) or size is None:
         return
     from polyrl.tasks.chat import prompt_ids
 
     for split in ("train", "test"):
         prompts = task.prompts(split, size(split), 0) if size(split) else []  # each once, put as the run puts them
-        lengths = [len(ids) for ids in prompt_ids(tokenizer, prompts)]
+        encoded = prompt_ids(tokenizer, prompts)
+        unknown = [i for i, ids in enumerate(encoded) if unk is not None and unk in ids]
+        if unknown:  # a character tokenizer (the warm starts') has no token for it: the model would read <unk>
+            text = prompts[unknown[0]].rendered or prompts[unknown[0]].text
+            chars = sorted({c for c in text if unk in tokenizer(c, add_special_tokens=False)["input_ids"]})
+            raise ConfigError(f"data_file: {len(unknown)} of its {len(prompts)} {split} prompts hold characters the "
+                              f"tokenizer has no token for (prompt {prompts[unknown[0]].id!r}: "
+                              f"{', '.join(map(repr, chars[:8])) or 'its markup'}), which it would read as "
+                              f"{tokenizer.unk_token}; drop them or use a model whose tokenizer covers them")
+        if context is None:
+            continue
+        lengths = [len(ids) for ids in encoded]
         over = [i for i, n in enumerate(lengths) if n + max_new_tokens > context]
         if over:
             worst = max(over, key=lengths.__getitem__)

@@ -175,7 +175,15 @@ def test_the_builder_refuses_what_a_template_cannot_do(tmp_path, qwen, char_mode
         (["--model", qwen, "--system-prompt", "Be brief.", "--chat-template", "none"],
          "system_prompt = 'Be brief.' has no effect with chat_template = 'none'"),
         (["--model", qwen, "--chat-template", str(tmp_path / "nope.jinja")], "nope.jinja' is not a file"),
+        # a "template" that renders no message (or a file that is no template: config.json) ran on every prompt
+        (["--model", qwen, "--chat-template", str(tmp_path / "fixed.jinja")],
+         "leaves the user message out of what it renders (prompt 'addition/"),
+        (["--model", qwen, "--chat-template", str(tmp_path / "nosys.jinja"), "--system-prompt", "Be terse."],
+         "leaves the system message out of what it renders"),
     ]
+    (tmp_path / "fixed.jinja").write_text("You are a helpful assistant.")
+    (tmp_path / "nosys.jinja").write_text("{% for m in messages %}{% if m['role'] == 'user' %}{{ m['content'] }}"
+                                          "{% endif %}{% endfor %}")
     for argv, expected in cases:
         with pytest.raises(ConfigError) as e:
             _resolve(argv, tmp_path)

@@ -124,6 +124,64 @@ def test_math_references_in_bare_latex_or_json_floats_are_read_whole(tmp_path):
     assert reward("half?", "\\boxed{\\frac{1}{2}}") == 1.0 and reward("half?", "\\boxed{2}") == 0.0
 
 
+def test_a_short_bare_answer_is_graded_whole_like_the_reference(tmp_path):
+    """After "Answer: " a policy writes its answer bare; math-verify reads LaTeX only inside $...$ or \\boxed{}, so
+    "2\\sqrt{3}" was read as 2 and a letter or a word as nothing: exactly the reference scored 0. A reference
+    "1e-05" given as text was read as 1 * e - 5."""
+    rows = [{"question": q, "answer": a} for q, a in [("root?", "2\\sqrt{3}"), ("letter?", "B"),
+                                                      ("city?", "Paris"), ("small?", "1e-05")]]
+    _write_jsonl(tmp_path / "m.jsonl", rows)
+    task = MathTask(str(tmp_path / "m.jsonl"), heldout_percent=0)
+    by_q = {p.text.split("\n")[0]: p for p in task.prompts("train", len(rows), 0)}
+
+    def reward(question, completion):
+        return task.reward(by_q[question], completion)[0]
+
+    assert reward("root?", "2\\sqrt{3}") == 1.0 and reward("root?", "2") == 0.0 and reward("root?", "3\\sqrt{2}") == 0.0
+    assert reward("letter?", "B") == 1.0 and reward("letter?", "C") == 0.0 and reward("letter?", "\\boxed{B}") == 1.0
+    assert reward("city?", "Paris") == 1.0 and reward("city?", "Rome") == 0.0
+    assert reward("small?", "0.00001") == 1.0 and reward("small?", "1") == 0.0
+    assert reward("root?", "The answer is " + "very " * 20 + "2\\sqrt{3}") == 0.0  # long prose is not read whole
+
+
+def test_near_duplicate_questions_share_a_split(tmp_path):
+    """The split hashed the raw question: copies differing in whitespace, or in a conversation's system message,
+    fell on both sides, so held-out questions were trained on."""
+    rows = []
+    for i in range(300):
+        rows += [{"question": f"What is {i} + {i}?", "answer": str(2 * i)},
+                 {"question": f"What  is {i} + {i}?\n", "answer": str(2 * i)},
+                 {"question": [{"role": "system", "content": "Be brief."},
+                               {"role": "user", "content": f"What is {i} + {i}?"}], "answer": str(2 * i)},
+                 {"question": [{"role": "system", "content": "Think."},
+                               {"role": "user", "content": f"What is {i} + {i}?"}], "answer": str(2 * i)}]
+    _write_jsonl(tmp_path / "m.jsonl", rows)
+    task = MathTask(str(tmp_path / "m.jsonl"), heldout_percent=20)
+
+    def users(split):
+        return {" ".join((p.messages[-1][1] if p.messages else p.text.split("\n")[0]).split())
+                for p in task._pools[split]}
+
+    assert users("train") & users("test") == set()
+    assert 0.1 < len(users("test")) / 300 < 0.3
+
+
+def test_a_json_file_of_one_object_is_told_what_a_json_file_holds(tmp_path):
+    from polyrl.tasks.math import DataFileError
+
+    (tmp_path / "m.json").write_text(json.dumps({"data": [{"question": "1+1?", "answer": "2"}]}, indent=2))
+    with pytest.raises(DataFileError, match=r"holds one JSON object; a .json file must hold one array of objects"):
+        MathTask(str(tmp_path / "m.json"), heldout_percent=0)
+
+
+def test_a_lone_surrogate_is_refused_naming_its_row(tmp_path):
+    from polyrl.tasks.math import DataFileError
+
+    (tmp_path / "m.jsonl").write_text('{"question": "1+1?", "answer": "2"}\n{"question": "\\ud800?", "answer": "2"}\n')
+    with pytest.raises(DataFileError, match=r"row 2 \(line 2\) has a lone surrogate escape in 'question'"):
+        MathTask(str(tmp_path / "m.jsonl"), heldout_percent=0)
+
+
 def test_math_task_names_a_missing_column(tmp_path):
     _write_jsonl(tmp_path / "bad.jsonl", [{"question": "1+1?", "result": "2"}])
     with pytest.raises(ValueError, match=r"no answer column .*its columns: question, result"):
@@ -145,3 +203,44 @@ def test_reward_functions_by_import_path_and_channels(tmp_path):
     for bad, why in [("nomodule_xyz:f", "cannot import"), ("polyrl.tasks:nothing", "no callable"), ("f", "write it")]:
         with pytest.raises(ValueError, match=why):
             load_callable(bad)
+
+
+def test_a_reward_function_that_cannot_be_called_so_is_refused_as_it_loads(tmp_path):
+    """A wrong signature (or an async def) was found only after the model loaded and the first evaluation ran; a
+    multi-line exception message printed several lines; an empty --reward-funcs meant the default silently."""
+    from polyrl.errors import RewardError
+    from polyrl.tasks.rewards import parse_reward_specs
+
+    (tmp_path / "rf.py").write_text(
+        "def two(prompts, completions):\n    return [0.0] * len(completions)\n"
+        "async def later(prompts, completions, **kw):\n    return [0.0] * len(completions)\n"
+        "def loud(prompts, completions, **kw):\n    raise ValueError('line one\\nline two')\n")
+    with pytest.raises(ValueError, match=r"rf.py:two' cannot be called as fn\(prompts=..., completions=..., "
+                                         r"answers=...\) \(got an unexpected keyword argument 'answers'\)"):
+        load_callable(f"{tmp_path / 'rf.py'}:two")
+    with pytest.raises(ValueError, match="is async"):
+        load_callable(f"{tmp_path / 'rf.py'}:later")
+    task = CountdownTask()
+    with pytest.raises(RewardError) as e:
+        RewardChannels(task, [f"{tmp_path / 'rf.py'}:loud"])(task.prompts("train", 1, 0), ["1"])
+    assert "raised ValueError: line one" in str(e.value) and "line two" not in str(e.value)
+    for funcs, weights, field in (("", None, "reward_funcs"), (None, " ", "reward_weights")):
+        with pytest.raises(ValueError, match=f"{field} = ''"):
+            parse_reward_specs(funcs, weights)
+
+
+def test_a_data_file_with_characters_the_tokenizer_lacks_is_refused_before_the_first_step(tiny_model, tmp_path,
+                                                                                         capsys):
+    """A character tokenizer (the warm starts') reads a character it has no token for as <unk>: the run trained on
+    prompts it could not see, silently."""
+    from polyrl.cli import main
+
+    rows = [{"question": f"{i}+1 in euros?" + (" 2€" if i == 5 else ""), "answer": str(i + 1)} for i in range(40)]
+    _write_jsonl(tmp_path / "d.jsonl", rows)
+    argv = ["train", "--model", tiny_model, "--task", "math", "--data-file", str(tmp_path / "d.jsonl"), "--steps",
+            "1", "--prompts-per-step", "2", "--group-size", "2", "--eval-prompts", "2", "--threads", "1",
+            "--heldout-percent", "10", "--no-tensorboard", "--run-dir", str(tmp_path / "run")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert "data_file: 1 of its" in err and "hold characters the tokenizer has no token for" in err, err
+    assert "'€'" in err and len(err.splitlines()) == 1

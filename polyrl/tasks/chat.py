@@ -202,4 +202,12 @@ def check_prompt_format(chat_template: str, system_prompt: str | None, model_dir
     fmt = PromptFormat(tokenizer, chat_template, system_prompt, model=model)
     formatted_task(task, fmt)  # message prompts without a template
     if fmt.templated:
-        fmt.apply(task.prompts("train", 1, 0)[0])
+        first = task.prompts("train", 1, 0)[0]
+        rendered = fmt.apply(first).rendered or ""
+        messages = fmt.messages(first)
+        for role in ("user", "system"):  # a template that drops them (or a file that is no template) runs on
+            said = [" ".join(m["content"].split()) for m in messages if m["role"] == role][-1:]
+            if said and said[0] and said[0] not in " ".join(rendered.split()):
+                raise ValueError(f"chat_template = {chat_template!r} leaves the {role} message out of what it "
+                                 f"renders (prompt {first.id!r} became {rendered[:60]!r}); a template must render "
+                                 "every message")

@@ -80,6 +80,13 @@ class DataFileError(ValueError):
     """A data file that cannot be used, with a one-line message starting ``data_file 'PATH'``."""
 
 
+def _whole_object(text: str) -> bool:
+    try:
+        return isinstance(json.loads(text), dict)
+    except json.JSONDecodeError:
+        return False
+
+
 def _json_rows(path: Path, label: str) -> list[tuple[str, dict]]:
     """(where, object) for each row of a JSON lines file or of a .json file holding one array."""
     try:
@@ -102,6 +109,10 @@ def _json_rows(path: Path, label: str) -> list[tuple[str, dict]]:
             try:
                 item = json.loads(line)
             except json.JSONDecodeError as e:
+                if path.suffix == ".json" and _whole_object(text):  # a pretty-printed {"data": [...]} file
+                    raise DataFileError(f"{label} holds one JSON object; a .json file must hold one array of "
+                                        "objects (or one object per line), e.g. [{\"question\": ..., "
+                                        "\"answer\": ...}, ...]") from None
                 raise DataFileError(f"{label} line {lineno} is not valid JSON ({e.msg}: column {e.colno})") from None
             located.append((f"row {len(located) + 1} (line {lineno})", item))
     for where, item in located:
@@ -142,6 +153,23 @@ def _messages_problem(messages: list) -> str | None:
     return None
 
 
+def _utf8(text: str) -> bool:
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _split_hash(question: str | int | float | list) -> str:
+    """What decides a row's split: its question with whitespace collapsed, and of a conversation its user turns
+    alone, so that copies differing only there (a trailing space, another system prompt, plain text or a message)
+    share a split; the raw text sent 519 of 523 such held-out questions into training too."""
+    if isinstance(question, list):  # one user turn splits as the same question asked as plain text
+        question = "\n".join(m["content"] for m in question if m["role"] == "user")
+    return hashlib.sha256(" ".join(str(question).split()).encode()).hexdigest()
+
+
 class MathTask:
     """Problems from a local file; reward by math-verify equivalence with the reference answer."""
 
@@ -174,7 +202,8 @@ class MathTask:
                     state = "missing" if key not in row else "null" if value is None else "empty"
                     raise DataFileError(f"{label} {where} has no {role} ({key!r} is {state})")
                 if role == "question" and isinstance(value, list):
-                    problem = _messages_problem(value)
+                    problem = _messages_problem(value) or \
+                        next(("hold a lone surrogate escape" for m in value if not _utf8(m["content"])), None)
                     if problem:
                         raise DataFileError(f"{label} {where} has chat messages in {key!r} that {problem}")
                     continue
@@ -185,6 +214,9 @@ class MathTask:
                 if isinstance(value, float) and not math.isfinite(value):  # JSON's NaN/Infinity, a parquet NaN
                     raise DataFileError(f"{label} {where} has {value} in {key!r}; the {role} must be text or a "
                                         "finite number")
+                if isinstance(value, str) and not _utf8(value):  # JSON's "\ud800": no text can hold it
+                    raise DataFileError(f"{label} {where} has a lone surrogate escape in {key!r}; the {role} must "
+                                        "be valid Unicode text")
 
         self.name = "math"
         self.template = template
@@ -204,7 +236,7 @@ class MathTask:
                 question = str(value)
                 text = template.format(question=question)
             pid = hashlib.sha256(question.encode()).hexdigest()
-            split = "test" if int(pid[:8], 16) % 100 < heldout_percent else "train"
+            split = "test" if int(_split_hash(value)[:8], 16) % 100 < heldout_percent else "train"
             self._pools[split].append(Prompt(id=f"math/{pid[:16]}", text=text, answer=_answer_text(row[keys["answer"]]),
                                              messages=messages))
         check_splits(self._pools, len(rows), heldout_percent, label=label, key="question")
@@ -223,6 +255,10 @@ class MathTask:
 
         gold, pred = _gold(prompt.answer), parse(completion_text)
         ok = bool(pred) and bool(verify(gold, pred))
+        bare = completion_text.strip()
+        if not ok and bare and len(bare) <= _BARE_MAX and "$" not in bare and "\\boxed" not in bare:
+            pred = parse(f"${bare}$")  # a short bare answer read whole, as the reference is: "B", "2\\sqrt{3}"
+            ok = bool(pred) and bool(verify(gold, pred))
         return (1.0 if ok else 0.0), {"parsed": [str(p) for p in pred][:2]}
 
 
@@ -234,6 +270,8 @@ def _answer_text(value: Any) -> str:
     return str(value)
 
 
+_SCIENTIFIC = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)[eE][+-]?\d+")
+_BARE_MAX = 64  # a completion at most this long, with no $...$ or \boxed{}, is also read whole as LaTeX
 # Plain words closing an answer after a number or a LaTeX group ("5 dollars", "\\frac{1}{2} hours"): a unit.
 _TRAILING_WORDS = re.compile(r"(?<=[\d}.\s])\s*([A-Za-z]{2,}(?:\s+[A-Za-z]+)*)\s*$")
 
@@ -247,6 +285,8 @@ def _gold(answer: str) -> list:
 
     if "$" in answer or "\\boxed" in answer:
         return parse(answer)
+    if _SCIENTIFIC.fullmatch(answer.strip()):  # "1e-05" as text: read as a number, not 1 * e - 5
+        answer = format(Decimal(answer.strip()), "f")
     unit = _TRAILING_WORDS.search(answer)
     if unit and answer[:unit.start()].strip():
         answer = f"{answer[:unit.start()].rstrip()}\\text{{ {unit.group(1)}}}"

@@ -15,6 +15,7 @@ the task's own ``reward`` (its verifier).
 
 from __future__ import annotations
 
+import inspect
 import math
 import numbers
 import traceback
@@ -48,11 +49,24 @@ def load_callable(spec: str) -> RewardFn:
     fn = getattr(module, attr, None)
     if not callable(fn):
         raise ValueError(f"reward function {spec!r}: {module_name!r} has no callable {attr!r}")
+    if inspect.iscoroutinefunction(fn):
+        raise ValueError(f"reward function {spec!r} is async; it must return its rewards (a plain def)")
+    try:  # found now, not after the model loaded and the first evaluation ran
+        inspect.signature(fn).bind(prompts=[], completions=[], answers=[])
+    except TypeError as e:
+        raise ValueError(f"reward function {spec!r} cannot be called as fn(prompts=..., completions=..., "
+                         f"answers=...) ({e}); give it those keywords (or **kwargs)") from None
+    except ValueError:  # a builtin without an inspectable signature: it is called as it is
+        pass
     return fn
 
 
 def parse_reward_specs(funcs: str | None, weights: str | None) -> tuple[list[str], list[float] | None]:
     """``--reward-funcs a,b`` and ``--reward-weights 1,0.2`` -> specs (default: the task's checker) and weights."""
+    if funcs is not None and not funcs.strip():
+        raise ValueError("reward_funcs = '' names no reward function; give task, module:function or file.py:function")
+    if weights is not None and not weights.strip():
+        raise ValueError("reward_weights = '' gives no weights; give one number per reward function")
     specs = [s.strip() for s in funcs.split(",")] if funcs else ["task"]
     try:
         values = [float(w) for w in weights.split(",")] if weights else None
@@ -115,7 +129,9 @@ class RewardChannels:
         except Terminated:  # SIGTERM while it ran: not the function's exit
             raise
         except (Exception, SystemExit) as e:  # a user's function failed: one line here, its traceback in the run's log
-            problem = f"called sys.exit({e.code!r})" if isinstance(e, SystemExit) else f"raised {type(e).__name__}: {e}"
+            first = (str(e).strip().splitlines() or [""])[0]  # one line; the whole message is in the traceback
+            problem = f"called sys.exit({e.code!r})" if isinstance(e, SystemExit) else \
+                f"raised {type(e).__name__}: {first}"
             raise error(problem, trace=traceback.format_exc()) from None
         if isinstance(out, (Mapping, Set, str, bytes)):  # iterable, but not one value per completion in order
             raise error(f"returned {type(out).__name__}, not a list of floats")

@@ -74,8 +74,8 @@ def _weights(args: argparse.Namespace) -> tuple[list[str], list[str], list[float
     for role in ("attacker", "defender"):
         text = getattr(args, f"{role}_weights") or ""
         given = getattr(args, f"{role}_channels")
-        specs, _ = parse_reward_specs(given, None)
-        if not given or "task" in specs:  # the game has no task of its own to check against
+        specs, _ = parse_reward_specs(given, None) if given and given.strip() else ([], None)
+        if not specs or "task" in specs:  # the game has no task of its own to check against
             refuse(f"--{role}-channels", given, "comma-separated reward functions, each module:function")
         for spec in specs:  # one line naming it when it cannot be imported, before --out is touched
             try:
