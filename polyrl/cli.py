@@ -371,6 +371,11 @@ class OneLineParser(argparse.ArgumentParser):
     subcommands: Any = None  # the action of add_subparsers: command name -> its parser
     raising = False  # raise ConfigError instead of exiting (flags checked inside another command)
 
+    def __init__(self, *args, **kwargs) -> None:
+        # No abbreviations: `compare --seed 2` was read as --seeds 2, past the refusal meant for --seed.
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
     def error(self, message: str):  # type: ignore[override]
         if self.raising:
             raise ConfigError(message)
@@ -649,8 +654,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         for dest in ("run_dir", "out"):  # "" would mean the default run directory (then --overwrite deletes it)
             value = getattr(args, dest, None)
             if isinstance(value, str) and not value.strip():
-                raise ConfigError(f"{dest} = {value!r} is not allowed: a directory path (leave the flag out for "
-                                  "the default)")
+                optional = any(a.dest == dest and a.option_strings for a in parser.command_parser(args)._actions)
+                raise ConfigError(f"{dest} = {value!r} is not allowed: a directory path"
+                                  + (" (leave the flag out for the default)" if optional else ""))
         for module in args.plugin:
             load_plugin(module)
         if not uses_manifest(args):

@@ -85,6 +85,7 @@ def test_compare_runs_load_the_plugins_compare_loaded(tmp_path, monkeypatch, tin
     (["--overwrite"], "--overwrite"),
     (["--resume"], "--resume"),
     (["--resume-from", "PRECIOUS/checkpoints/step_000001"], "--resume-from"),
+    (["--seed", "2"], "--seed"),  # argparse read it as --seeds 2 (an abbreviation) and ran two seeds
 ])
 def test_compare_refuses_a_shared_flag_it_sets_per_run(tmp_path, capsys, no_runs, tiny_model, extra, flag):
     precious = tmp_path / "precious"
@@ -175,7 +176,7 @@ def test_compare_refuses_a_toml_that_sets_what_compare_sets_per_run(tmp_path, ca
 
 @pytest.mark.parametrize("extra, toml, threads", [
     ([], "", "2"),  # not given: compare splits the 4 cores between 2 workers
-    (["--threads=3"], "", "3"), (["--threads", "3"], "", "3"), (["--thread", "3"], "", "3"),
+    (["--threads=3"], "", "3"), (["--threads", "3"], "", "3"),  # an abbreviation (--thread) is refused now
     ([], "threads = 3", "3"),
 ])
 def test_compare_keeps_a_thread_count_given_in_any_form(tmp_path, monkeypatch, tiny_model, extra, toml, threads):

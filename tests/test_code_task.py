@@ -157,6 +157,9 @@ def test_data_file_errors_name_file_line_and_field(tmp_path):
         ([{"prompt": ADD}], "row 1 (line 1) has no tests ('tests' is missing)"),
         ([{"prompt": ADD, "tests": "assert add(1,"}], "row 1 (line 1) has tests that are not valid Python"),
         ([{"prompt": ADD, "tests": "x = 1"}], "row 1 (line 1) has tests with no assert statement"),
+        # a list entry without an assert passed whatever the completion did (accuracy 1.0 for any model)
+        ([{"prompt": ADD, "tests": ["assert add(1, 2) == 3", "x = 1"]}],
+         "row 1 (line 1) has test 1 with no assert statement ('x = 1')"),
         ([{"prompt": ADD, "tests": {"a": 1}}], "row 1 (line 1) has a dict in 'tests'"),
         ([{"prompt": ADD, "tests": ["assert )"]}], "row 1 (line 1) has test 0 that is not valid Python"),
         ([{"prompt": ADD, "tests": TESTS, "entry_point": "1x"}], "row 1 (line 1) has entry_point '1x'"),
@@ -185,9 +188,9 @@ def test_get_task_and_splits(tmp_path):
 
 def test_cli_trains_two_steps_on_generated_problems(tmp_path):
     from polyrl.cli import main
-    from polyrl.tinylm import build_tiny_llama
+    from polyrl.tinyhf import build_tiny
 
-    model = build_tiny_llama(tmp_path / "tiny", hidden=32, layers=2, heads=2, seed=0)
+    model = build_tiny("llama", tmp_path / "tiny")  # a byte-level BPE tokenizer: the character one lacks "_"
     data = _write(tmp_path / "code.jsonl", _toy_rows())
     run_dir = tmp_path / "run"
     code = main(["train", "--task", "code", "--data-file", data, "--heldout-percent", "20", "--model", str(model),

@@ -119,6 +119,9 @@ def test_cli_list_takes_claims_and_report_only_reports_every_claim(tmp_path, cap
     """--report-only decides each claim again from its samples: a report after a change of the rule states the
     rule's verdict, not the one saved with the results."""
     assert _evidence(capsys, "--list", "--claims", "dapo_clip_higher")[0] == 0
+    for empty in (",", ""):  # ran nothing and wrote an empty report (or, for "", every claim), exit 0
+        code, err = _evidence(capsys, "--claims", empty, "--out", str(tmp_path / "none"))
+        assert code == 2 and f"claims = {empty!r} names no claim" in err[-1] and not (tmp_path / "none").exists()
     results = _results("holds", None)
     claim = results["claims"]["dapo_clip_higher"]
     claim["samples"] = {"arms": {arm: {"entropy_last_quarter": [0.5, 0.52, 0.49], "final_accuracy": [0.6, 0.6, 0.6]}

@@ -181,7 +181,8 @@ def test_ippo_critic_differs_and_trains(tmp_path):
 
 
 @pytest.mark.parametrize("flags, field", [
-    (["--teams", "3,9"], "teams"), (["--teams", "a"], "teams"), (["--lr", "-1"], "lr"), (["--gamma", "2"], "gamma"),
+    (["--teams", "3,9"], "teams"), (["--teams", "a"], "teams"),
+    (["--teams", "5"], "teams = '5' is not allowed (held out: 5)"), (["--lr", "-1"], "lr"), (["--gamma", "2"], "gamma"),
     (["--envs", "0"], "envs"), (["--method", "qmix"], "method"), (["--minibatches", "99"], "minibatches")])
 def test_bad_settings_one_line_errors(flags, field):
     with pytest.raises(ConfigError) as e:

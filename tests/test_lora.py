@@ -160,6 +160,12 @@ def test_bad_lora_settings_are_one_line(values, needle):
 
 
 def test_bad_targets_and_moot_methods_are_refused(tiny_model, tmp_path, capsys):
+    # a rank past the layers' smallest side adds size and no capacity (100000 grew memory until the run was killed)
+    code = main(["train", "--model", tiny_model, "--lora-rank", "100000", "--steps", "1", "--run-dir",
+                 str(tmp_path / "r1"), "--threads", "1"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "lora_rank = 100000 is not allowed: the targeted layers' smallest side is" in err, err
+    assert len(err.splitlines()) == 1
     code = main(["train", "--model", tiny_model, "--lora-rank", "4", "--lora-targets", "nonexistent_proj",
                  "--steps", "1", "--run-dir", str(tmp_path / "r1"), "--threads", "1"])
     err = capsys.readouterr().err.strip()

@@ -287,6 +287,20 @@ def test_builder_refuses_split_groups_and_moot_offline_settings(tiny_model, tmp_
     _resolve(["--model", tiny_model, "--method", "kto", "--micro-batch-size", "3"], tmp_path)  # KTO pairs nothing
 
 
+def test_rows_the_tokenizer_cannot_tell_apart_are_refused_before_the_first_step(tiny_model, tmp_path, capsys):
+    """The warm start's character tokenizer reads "ééé" and "ààà" as the same <unk> tokens: DPO trained on pairs
+    identical token for token, silently."""
+    from polyrl.cli import main
+
+    base = ["train", "--model", tiny_model, "--method", "dpo", "--steps", "1", "--threads", "1", "--no-tensorboard",
+            "--eval-prompts", "2", "--run-dir", str(tmp_path / "run"), "--preference-file"]
+    unknown = _write(tmp_path / "u.jsonl", [*ROWS, {"prompt": "1+1=", "chosen": "ééé", "rejected": "ààà"}])
+    assert main([*base, str(unknown)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "preference_file row 4: its prompt or chosen completion holds characters the tokenizer has no token for "\
+           "('é')" in err and len(err.splitlines()) == 1, err
+
+
 def test_offline_dpo_trains_end_to_end_without_generation(tiny_model, tmp_path):
     rows = [{"prompt": f"{a}+{b}=", "chosen": str(a + b), "rejected": str(a + b + 1)} for a, b in
             [(1, 2), (3, 4), (5, 6), (7, 1)]]

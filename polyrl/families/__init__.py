@@ -107,7 +107,7 @@ def parse_train_flags(argv: list[str], prog: str, add_train_args):
 
     from polyrl.config import ConfigError
 
-    p = argparse.ArgumentParser(prog=prog, add_help=False, exit_on_error=False)
+    p = argparse.ArgumentParser(prog=prog, add_help=False, exit_on_error=False, allow_abbrev=False)
     add_train_args(p)
     try:
         args, extra = p.parse_known_args(argv)

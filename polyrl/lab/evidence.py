@@ -277,7 +277,10 @@ def cli_main(args: Any, console: Any) -> int:
     check_args(args)
     budget = args.budget or DEFAULT_BUDGET
     workers = DEFAULT_WORKERS if args.workers is None else args.workers
-    ids = [c.strip() for c in args.claims.split(",") if c.strip()] if args.claims else list(CLAIMS)
+    ids = [c.strip() for c in args.claims.split(",") if c.strip()] if args.claims is not None else list(CLAIMS)
+    if not ids:  # "," or "" used to run nothing and write an empty report (or every claim), exit 0
+        raise ConfigError(f"claims = {args.claims!r} names no claim; give claim ids (polyrl evidence --list) or leave "
+                          "--claims out for all of them")
     bad = [c for c in ids if c not in CLAIMS]
     if bad:
         raise ConfigError(f"claims = {','.join(bad)}: unknown; choose from {', '.join(CLAIMS)}")

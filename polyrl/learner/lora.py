@@ -64,6 +64,14 @@ def add_adapters(model: nn.Module, *, rank: int, alpha: float, targets: str, dro
             raise ValueError(f"lora_targets = {targets!r}: {', '.join(blocks)} "
                              f"{'is a block' if len(blocks) == 1 else 'are blocks'} of modules, not a linear layer; "
                              f"allowed: all-linear or names among {', '.join(linear)}")
+    from transformers.pytorch_utils import Conv1D
+
+    targeted = [m for full, m in model.named_modules() if isinstance(m, (nn.Linear, Conv1D)) and m is not head
+                and (names == "all-linear" or any(full == n or full.endswith("." + n) for n in names))]
+    widest = min((min(m.weight.shape) for m in targeted), default=None)  # a rank past it adds nothing but size
+    if widest is not None and rank > widest:
+        raise ValueError(f"lora_rank = {rank} is not allowed: the targeted layers' smallest side is {widest}, so a "
+                         f"higher rank adds parameters and no capacity; allowed: 1 .. {widest}")
     config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=names, bias="none")
     try:
         with warnings.catch_warnings():  # PEFT calls a transformers property deprecated in v5 (FutureWarning)

@@ -37,12 +37,25 @@ class PreferenceSource:
         """``put`` renders a prompt as the run does (``tasks.chat.PromptFormat.apply``); a row longer than ``context``
         (a learned position table, ``model.context_length``) is refused here, before any step."""
         self.rows, self.tokenizer, self.put, self.context = rows, tokenizer, put, context
-        if context is not None:  # every row before the first step (hours in, an --overwrite had deleted the old run)
-            prompts = [put(Prompt(id=f"preference/{i}", text=r.prompt, answer="")) for i, r in enumerate(rows)]
-            eos = int(tokenizer.eos_token_id is not None)
+        # every row before the first step (hours in, an --overwrite had deleted the old run)
+        prompts = [put(Prompt(id=f"preference/{i}", text=r.prompt, answer="")) for i, r in enumerate(rows)]
+        eos, unk = int(tokenizer.eos_token_id is not None), getattr(tokenizer, "unk_token_id", None)
+        encoded = {name: prompt_ids(tokenizer, prompts, [getattr(r, name) for r in rows])
+                   for name in ("chosen", "rejected")}
+        for i, row in enumerate(rows):
             for name in ("chosen", "rejected"):
-                for row, ids in zip(rows, prompt_ids(tokenizer, prompts, [getattr(r, name) for r in rows])):
-                    self._check_length(row, name, len(ids) + eos)
+                ids = encoded[name][i]
+                self._check_length(row, name, len(ids) + eos)
+                if unk is not None and unk in ids:  # a character tokenizer reads what it lacks as <unk>
+                    text = row.prompt + getattr(row, name)
+                    chars = sorted({c for c in text if unk in tokenizer(c, add_special_tokens=False)["input_ids"]})
+                    raise ConfigError(f"preference_file row {row.line}: its prompt or {name} completion holds "
+                                      f"characters the tokenizer has no token for ({', '.join(map(repr, chars[:8]))}), "
+                                      f"which it would read as {tokenizer.unk_token}; drop the row or use a model "
+                                      "whose tokenizer covers them")
+            if encoded["chosen"][i] == encoded["rejected"][i]:
+                raise ConfigError(f"preference_file row {row.line}: chosen and rejected are the same tokens for "
+                                  "this tokenizer, a pair with nothing to prefer; drop the row")
         self.pairs_per_step, self.seed, self.max_new_tokens = pairs_per_step, seed, max_new_tokens
         self.pos = 0  # rows taken so far
         self._order: tuple[int, Tensor] | None = None  # (pass, permutation) cache

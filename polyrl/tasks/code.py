@@ -127,10 +127,12 @@ class CodeTask:
                                 "string of asserts or a list of non-empty strings")
         for i, test in enumerate(value):
             try:
-                ast.parse(test)
+                tree = ast.parse(test)
             except SyntaxError as e:
                 raise DataFileError(f"{self._label} {where} has test {i} that is not valid Python "
                                     f"({e.msg}, line {e.lineno})") from None
+            if not any(isinstance(node, ast.Assert) for node in ast.walk(tree)):  # it would pass whatever ran
+                raise DataFileError(f"{self._label} {where} has test {i} with no assert statement ({test[:40]!r})")
         return list(value)
 
     def split_size(self, split: Split) -> int:

@@ -111,9 +111,11 @@ def validate_config(cfg: MarlTrainConfig) -> None:
         teams = parse_teams(cfg.teams)
     except ValueError:
         teams = ()
-    if not teams or not all(2 <= n <= 8 for n in teams):
-        raise ValueError(f"teams = {cfg.teams!r} is not allowed; allowed: comma-separated integers in 2..8 "
-                         "(e.g. '3,4,6,8')")
+    held = [n for n in teams if n in E.HELDOUT.teams]  # eval/accuracy would no longer test unseen team sizes
+    if not teams or not all(2 <= n <= 8 for n in teams) or held:
+        why = f" (held out: {', '.join(map(str, held))})" if held else ""
+        raise ValueError(f"teams = {cfg.teams!r} is not allowed{why}; allowed: comma-separated integers in 2..8 "
+                         f"but the held-out sizes {', '.join(map(str, E.HELDOUT.teams))} (e.g. '3,4,6,8')")
     if cfg.minibatches > cfg.envs:
         raise ValueError(f"minibatches = {cfg.minibatches} is not allowed; allowed: <= envs ({cfg.envs})")
     for name, lo, hi in (("gamma", 0, 1), ("lam", 0, 1), ("clip_eps", 1e-6, 1)):
