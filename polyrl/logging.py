@@ -187,7 +187,7 @@ class StepProgress:
         if now - self._last >= self.every_s or completed >= self.total:
             self._last = now
             self.console.print(f"{self.label} {completed}/{self.total}  {info}  {now - self._started:.0f} s",
-                               highlight=False)
+                               highlight=False, soft_wrap=True)  # one line however long: a pipe's width is 80
 
 
 def write_summary(run_dir: str | Path, summary: Mapping[str, Any]) -> Path:

@@ -272,6 +272,17 @@ def test_cli_resume_continues_the_run_exactly(tmp_path, capsys):
     assert rc == 2 and "alpha = 0.5 differs" in out
 
 
+def test_cli_resume_finds_the_default_run_directory(tmp_path, capsys, monkeypatch):
+    """`q train --resume` without --run-dir said "run_dir = None holds no run"; like `duplex train`, it continues
+    the run the same command without --run-dir made."""
+    monkeypatch.chdir(tmp_path)
+    flags = ["--method", "periodic", "--period", "7", "--size", "4", "--samples-per-step", "50"]
+    assert _main(capsys, "q", "train", *flags, "--steps", "2")[0] == 0
+    rc, out = _main(capsys, "q", "train", "--resume", "--method", "periodic", "--steps", "3")
+    assert rc == 0, out
+    assert (tmp_path / "runs" / "q" / "periodic-gridworld-s0" / "config_history.jsonl").is_file()
+
+
 def test_negative_seed_is_refused_before_the_run_dir_is_written(tmp_path, capsys):
     from polyrl.families.q.train import validate_config
 

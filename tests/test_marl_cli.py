@@ -100,6 +100,16 @@ def test_resume_refuses_fewer_steps_and_overwrite(tmp_path, capsys):
     assert code == 2
     one_line(err, "holds no run (no config.json) to resume; start it without --resume")
 
+def test_resume_finds_the_default_run_directory(tmp_path, capsys, monkeypatch):
+    """`marl train --resume` without --run-dir said "resume needs --run-dir"; like `duplex train`, it continues the
+    run the same command without --run-dir made."""
+    monkeypatch.chdir(tmp_path)
+    assert cli(capsys, "marl", "train", "--steps", "2", *TINY)[0] == 0
+    code, err = cli(capsys, "marl", "train", "--steps", "3", *TINY, "--resume")
+    assert code == 0, err
+    assert step_rows(tmp_path / "runs" / "marl" / "mappo-s0") == [1, 2, 3]
+
+
 def test_resume_below_checkpoint_refused_by_train_marl_too(tmp_path):
     from polyrl.families.marl.methods import get_marl_method
     from polyrl.families.marl.train import MarlTrainConfig, train_marl

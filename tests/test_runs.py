@@ -243,6 +243,10 @@ def test_progress_prints_plain_lines_when_not_on_a_terminal():
             bar.update(k, info=f"reward {k / 10:.3f}")
     lines = out.getvalue().splitlines()
     assert [line.split()[2] for line in lines] == ["1/3", "2/3", "3/3"] and "reward 0.300" in lines[-1]
+    out = io.StringIO()
+    with StepProgress(Console(file=out, width=40), "warm-start addition_mixed", total=1, every_s=0.0) as bar:
+        bar.update(1, info="loss 0.967  acc 0.043  a line longer than the console")  # a pipe's width: 80
+    assert len(out.getvalue().splitlines()) == 1  # not wrapped in two
 
 
 def test_a_composed_method_is_labelled_as_composed(tiny_model, tmp_path, capsys, monkeypatch):

@@ -66,8 +66,11 @@ def resume_config(run_dir: Path, given: dict):
 
 
 def cmd_marl_train(args: argparse.Namespace) -> int:
+    from polyrl.families.marl.methods import get_marl_method
     from polyrl.runs import resume_hold
 
+    if args.resume and not args.run_dir:  # the run a command without --run-dir made, as for duplex and train
+        args.run_dir = f"runs/marl/{get_marl_method(args.method or 'mappo').name}-s{_build(_given(args)).seed}"
     with resume_hold(args.run_dir if args.resume and args.run_dir else None):  # a new run is held by new_run
         return _train(args)
 
@@ -81,8 +84,6 @@ def _train(args: argparse.Namespace) -> int:
     if args.resume:
         if args.overwrite:
             raise ConfigError("resume and overwrite are exclusive; pass one of them")
-        if not args.run_dir:
-            raise ConfigError("resume needs --run-dir (the run to continue)")
         run_dir = Path(args.run_dir)
         cfg, method_name, changes = resume_config(run_dir, given)
         if args.method is not None and args.method != method_name:

@@ -65,7 +65,16 @@ def resolve_train(args: argparse.Namespace):
 
 
 def cmd_q_train(args: argparse.Namespace) -> int:
+    from polyrl.config import build_config, load_toml
+    from polyrl.families.q.methods import get_q_method
+    from polyrl.families.q.train import QTrainConfig
     from polyrl.runs import resume_hold
+
+    if getattr(args, "resume", False) and not args.run_dir:  # the run a command without --run-dir made
+        values = load_toml(args.config, QTrainConfig) if args.config else {}
+        cfg = build_config({**values, **_given(args, QTrainConfig)}, QTrainConfig)
+        method = get_q_method(args.method or DEFAULT_METHOD, lam=args.lam, period=args.period)
+        args.run_dir = f"runs/q/{method.name}-{cfg.task}-s{cfg.seed}"
 
     with resume_hold(args.run_dir if args.resume and args.run_dir else None):  # a new run is held by new_run
         return _train(args)
