@@ -48,10 +48,16 @@ def shares_prompts(model: nn.Module) -> bool:
     if model not in _SHARES:
         from transformers import DynamicCache
 
-        from polyrl.rollout.kv_cache import drops_rows
-
-        _SHARES[model] = drops_rows(DynamicCache(config=model.config))
+        _SHARES[model] = holds_keys_and_values(DynamicCache(config=model.config))
     return _SHARES[model]
+
+
+def holds_keys_and_values(cache, *own_layers: type) -> bool:
+    """Whether every layer of ``cache`` holds keys and values alone (transformers' dynamic and sliding-window
+    layers, or ``own_layers``), not a linear-attention or state-space layer's convolution and recurrent states."""
+    from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+
+    return all(type(layer) in (DynamicLayer, DynamicSlidingWindowLayer, *own_layers) for layer in cache.layers)
 
 
 def shared_prompt_states(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor,
