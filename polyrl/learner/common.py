@@ -38,16 +38,6 @@ def sampling_settings(temperature: float, top_p: float, top_k: int, share_prompt
                 share_prompts=share_prompts)
 
 
-def unfiltered(sampling: dict[str, Any]) -> dict[str, Any]:
-    """``sampling`` without top-p and top-k: how a reference or a distillation teacher is scored.
-
-    Convention: the policy's own log-probs are of the filtered distribution it samples from; the reference's (and a
-    teacher's) are of its whole distribution at the sampling temperature, as verl's and TRL's reference and TRL's
-    distillation teacher. Filtered too, a token outside the reference's own top-k had log-prob -inf: out of the loss,
-    and in a reward (a teacher's, a KL placed in the reward) clamped to -20 per token."""
-    return {**sampling, "top_p": None, "top_k": None}
-
-
 def clip_and_step(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, max_grad_norm: float) -> float:
     """Clip, step and zero; a non-finite gradient norm skips the update (weights untouched) and returns it.
 

@@ -52,7 +52,6 @@ from polyrl.learner.common import (
     sampling_settings,
     set_base_lr,
     sync_reference,
-    unfiltered,
 )
 from polyrl.learner.sharded import is_sharded, load_sharded, load_unsharded, save_sharded
 from polyrl.model import TokenLogprobs, completion_logprobs
@@ -150,12 +149,10 @@ class FSDPLearner:
 
     # scoring --------------------------------------------------------------------------------------------------
     def _forward(self, model: nn.Module, batch: TokenBatch, topk: int, topk_ids: Tensor | None = None) -> TokenLogprobs:
-        """(logp, entropy, topk_ids, topk_logp) of ``batch`` on the CPU, computed on this rank's device; another
-        model than the policy (the reference) on its whole distribution (``unfiltered``)."""
+        """(logp, entropy, topk_ids, topk_logp) of ``batch`` on the CPU, computed on this rank's device."""
         b = batch.to(self.device)
         ids = None if topk_ids is None else topk_ids.to(self.device)
-        own = self.sampling if model is self.model else unfiltered(self.sampling)
-        sampling = {**own, "share_prompts": self._all_share(b)}
+        sampling = {**self.sampling, "share_prompts": self._all_share(b)}
         parts = getattr(model, SCORE)(b.input_ids, b.attention_mask, b.completion_mask, fp32_head=self.fp32_head,
                                       topk=0 if ids is not None else topk, topk_ids=ids, **sampling)
         return TokenLogprobs(*parts).cpu()  # differentiable: backward flows to this rank's device

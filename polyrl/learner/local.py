@@ -27,7 +27,6 @@ from polyrl.learner.common import (
     sampling_settings,
     set_base_lr,
     sync_reference,
-    unfiltered,
 )
 from polyrl.learner.lora import BaseReference, plain_state_dict, trainable_parameters
 from polyrl.model import TokenLogprobs, completion_logprobs
@@ -205,20 +204,17 @@ class LocalLearner:
                                        **self.sampling).cpu()
 
     def logprobs_nograd(self, batch: TokenBatch, *, topk: int = 0, model: nn.Module | None = None) -> TokenLogprobs:
-        """The same without gradient and micro-batched, for the policy or another model: the reference, scored on
-        its whole distribution (``unfiltered``)."""
-        sampling = self.sampling if model is None or model is self.model else unfiltered(self.sampling)
+        """The same without gradient and micro-batched, for the policy or another model (the reference)."""
         return logprobs_nograd(model or self.model, batch, micro_batch_size=self.micro_batch_size,
-                               fp32_head=self.fp32_head, topk=topk, **sampling)
+                               fp32_head=self.fp32_head, topk=topk, **self.sampling)
 
     def ref_logprobs(self, batch: TokenBatch, samples: list[Sample]) -> Tensor | None:
-        """Reference log-probs [B, T] at the rollout weights, of its whole distribution (``unfiltered``): scored with
-        the samples when the generation process did it (a frozen reference), else here; None without a reference."""
+        """Reference log-probs [B, T] at the rollout weights: scored with the samples when the generation process
+        did it (a frozen reference), else here; None without a reference."""
         def score() -> Tensor:
             if isinstance(self.reference, BaseReference):
                 with self.reference.scoring() as base:
-                    return logprobs_nograd(base, batch, micro_batch_size=self.micro_batch_size,
-                                           fp32_head=self.fp32_head, **unfiltered(self.sampling)).logp
+                    return self.logprobs_nograd(batch, model=base).logp
             return self.logprobs_nograd(batch, model=self.reference).logp
 
         return reference_logp(self.reference, self.ref_sync_every, batch, samples, score)
