@@ -244,10 +244,11 @@ def _check_contexts(cfg: TrainConfig, notes: list[str]) -> None:
 def _check_data_prompts(task, tokenizer, max_new_tokens: int, context: int | None) -> None:
     """Every prompt of a data file fits the model's context with ``max_new_tokens``, checked before any step (as
     verl's truncation='error'; the sampler refuses one too, but only once a step reaches it, hours in)."""
-    size, unk = getattr(task, "split_size", None), getattr(tokenizer, "unk_token_id", None)
+    from polyrl.tasks.chat import own_unk_id, prompt_ids
+
+    size, unk = getattr(task, "split_size", None), own_unk_id(tokenizer)
     if (context is None and unk is None) or size is None:
         return
-    from polyrl.tasks.chat import prompt_ids
 
     for split in ("train", "test"):
         prompts = task.prompts(split, size(split), 0) if size(split) else []  # each once, put as the run puts them
@@ -424,6 +425,13 @@ def check_combinations(cfg: TrainConfig, method, task):
     problem = teacher_problem(cfg.distill.teacher, method)
     if problem is not None:
         raise ConfigError(problem)
+    filters = [f"{n} = {v!r}" for n, v, off in (("top_k", cfg.sampling.top_k, 0), ("top_p", cfg.sampling.top_p, 1.0))
+               if v != off]
+    if cfg.distill.teacher is not None and filters:  # the reward is log pi_T(y) - log pi_S(y), token by token
+        raise ConfigError(f"{filters[0]} is not allowed with teacher = {cfg.distill.teacher!r}: the student samples "
+                          "from its filtered distribution and the teacher is scored on its own, so a token outside "
+                          "the teacher's kept set has no log-prob (its reward sat at the -20 clamp); sample "
+                          "unfiltered (top_k 0, top_p 1)")
     if cfg.sampler == "tree" and "per_token_rewards" in ADVANTAGES.spec(adv).tags:
         raise ConfigError(f"sampler = 'tree' is not allowed with advantage {adv!r}: tree groups compare summed "
                           "sequence rewards, so its per-token (teacher) rewards would be lost; use --sampler uniform")

@@ -136,7 +136,7 @@ def check_warmstart(task: str, *, threshold: float = 0.30, seed: int = 0, hidden
         raise ConfigError(f"task = {task!r} is not allowed; known tasks: {', '.join(sorted(TASKS))}")
     if "data_file" in inspect.signature(TASKS[task]).parameters:
         raise ConfigError(f"task = {task!r} has no warm start (it reads its rows from --data-file): train it with "
-                          "`polyrl train --task {task} --data-file F --model DIR`, DIR a local Hugging Face model "
+                          f"`polyrl train --task {task} --data-file F --model DIR`, DIR a local Hugging Face model "
                           "directory")
     if not (math.isfinite(threshold) and 0.0 <= threshold <= 1.0):
         raise ConfigError(f"threshold = {threshold} is not allowed: a held-out accuracy in [0, 1]")

@@ -156,6 +156,9 @@ def test_the_starting_weights_as_teacher_give_zero_at_step_zero_in_the_loop(tiny
     (["--method", "grpo", "--kl", "none"], "it has no KL term"),
     (["--method", "humanline_grpo"], "its reference follows the policy"),
     (["--method", "opd", "--sampler", "tree"], "sampler = 'tree' is not allowed with advantage 'opd'"),
+    # a sampled token outside the teacher's own top-k had no teacher log-prob: token reward -20, reverse KL inf
+    (["--method", "opd", "--top-k", "5"], "top_k = 5 is not allowed with teacher = .*: the student samples"),
+    (["--method", "opd_pure", "--top-p", "0.9"], "top_p = 0.9 is not allowed with teacher"),
 ])
 def test_teacher_refusals_are_one_line(tiny_model, tmp_path, argv, match):
     with pytest.raises(ConfigError, match=match) as e:

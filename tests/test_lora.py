@@ -164,7 +164,7 @@ def test_bad_targets_and_moot_methods_are_refused(tiny_model, tmp_path, capsys):
     code = main(["train", "--model", tiny_model, "--lora-rank", "100000", "--steps", "1", "--run-dir",
                  str(tmp_path / "r1"), "--threads", "1"])
     err = capsys.readouterr().err.strip()
-    assert code == 2 and "lora_rank = 100000 is not allowed: the targeted layers' smallest side is" in err, err
+    assert code == 2 and "lora_rank = 100000 is not allowed: no targeted layer has a smaller side above" in err, err
     assert len(err.splitlines()) == 1
     code = main(["train", "--model", tiny_model, "--lora-rank", "4", "--lora-targets", "nonexistent_proj",
                  "--steps", "1", "--run-dir", str(tmp_path / "r1"), "--threads", "1"])

@@ -105,7 +105,7 @@ def test_math_references_in_bare_latex_or_json_floats_are_read_whole(tmp_path):
     rows = [{"question": q, "answer": a} for q, a in [
         ("root two?", "\\sqrt{2}"), ("two root three?", "2\\sqrt{3}"), ("ten to the ten?", "10^{10}"),
         ("three quarters?", "\\dfrac{3}{4}"), ("small?", 1e-05), ("big?", 1.5e20), ("boxed?", "\\boxed{7}"),
-        ("cost?", "5 dollars"), ("half?", "\\frac{1}{2} hours")]]
+        ("cost?", "5 dollars"), ("half?", "\\frac{1}{2} hours"), ("algebra?", "x^2 + 2xy"), ("trig?", "2 sin x")]]
     _write_jsonl(tmp_path / "m.jsonl", rows)
     task = MathTask(str(tmp_path / "m.jsonl"), heldout_percent=0)
     by_q = {p.text.split("\n")[0]: p for p in task.prompts("train", len(rows), 0)}
@@ -122,6 +122,10 @@ def test_math_references_in_bare_latex_or_json_floats_are_read_whole(tmp_path):
     assert reward("boxed?", "7") == 1.0
     assert reward("cost?", "\\boxed{5}") == 1.0 and reward("cost?", "\\boxed{6}") == 0.0
     assert reward("half?", "\\boxed{\\frac{1}{2}}") == 1.0 and reward("half?", "\\boxed{2}") == 0.0
+    assert reward("cost?", "5 dollars") == 1.0  # the reference read whole matches too
+    # letters right after a digit are algebra, and a math word is no unit: neither is cut off the value
+    assert reward("algebra?", "\\boxed{x^2+2xy}") == 1.0 and reward("algebra?", "\\boxed{x^2 + 2}") == 0.0
+    assert reward("trig?", "\\boxed{2}") == 0.0
 
 
 def test_a_short_bare_answer_is_graded_whole_like_the_reference(tmp_path):
@@ -139,7 +143,8 @@ def test_a_short_bare_answer_is_graded_whole_like_the_reference(tmp_path):
 
     assert reward("root?", "2\\sqrt{3}") == 1.0 and reward("root?", "2") == 0.0 and reward("root?", "3\\sqrt{2}") == 0.0
     assert reward("letter?", "B") == 1.0 and reward("letter?", "C") == 0.0 and reward("letter?", "\\boxed{B}") == 1.0
-    assert reward("city?", "Paris") == 1.0 and reward("city?", "Rome") == 0.0
+    assert reward("city?", "Paris") == 1.0 and reward("city?", "Rome") == 0.0 and reward("city?", "paris") == 1.0
+    assert reward("city?", "Psari") == 0.0  # as maths a word is a product of letters: an anagram matched
     assert reward("small?", "0.00001") == 1.0 and reward("small?", "1") == 0.0
     assert reward("root?", "The answer is " + "very " * 20 + "2\\sqrt{3}") == 0.0  # long prose is not read whole
 
@@ -224,8 +229,8 @@ def test_a_reward_function_that_cannot_be_called_so_is_refused_as_it_loads(tmp_p
     with pytest.raises(RewardError) as e:
         RewardChannels(task, [f"{tmp_path / 'rf.py'}:loud"])(task.prompts("train", 1, 0), ["1"])
     assert "raised ValueError: line one" in str(e.value) and "line two" not in str(e.value)
-    for funcs, weights, field in (("", None, "reward_funcs"), (None, " ", "reward_weights")):
-        with pytest.raises(ValueError, match=f"{field} = ''"):
+    for funcs, weights, field in (("", None, "reward_funcs = ''"), (None, " ", "reward_weights = ' '")):
+        with pytest.raises(ValueError, match=field):
             parse_reward_specs(funcs, weights)
 
 
@@ -244,3 +249,14 @@ def test_a_data_file_with_characters_the_tokenizer_lacks_is_refused_before_the_f
     err = capsys.readouterr().err.strip()
     assert "data_file: 1 of its" in err and "hold characters the tokenizer has no token for" in err, err
     assert "'€'" in err and len(err.splitlines()) == 1
+
+
+def test_an_unk_that_is_also_bos_or_eos_is_not_read_as_unknown_text():
+    """GPT-2-style tokenizers name <|endoftext|> (their BOS and EOS) as unk: every prompt holding a BOS was refused."""
+    from types import SimpleNamespace
+
+    from polyrl.tasks.chat import own_unk_id
+
+    assert own_unk_id(SimpleNamespace(unk_token_id=3, bos_token_id=1, eos_token_id=2, pad_token_id=0)) == 3
+    assert own_unk_id(SimpleNamespace(unk_token_id=1, bos_token_id=1, eos_token_id=2, pad_token_id=0)) is None
+    assert own_unk_id(SimpleNamespace(unk_token_id=None, bos_token_id=1, eos_token_id=2, pad_token_id=0)) is None

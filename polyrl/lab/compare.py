@@ -97,8 +97,8 @@ RUN_FLAGS = {
 
 def refuse_run_flags(flags: list[str], where: str) -> None:
     """Raise ConfigError naming the first of ``flags`` that compare sets per run (``RUN_FLAGS``), or an abbreviation
-    of one (the train parser would expand it, or refuse it as ambiguous); ``where`` names the setting they came from.
-    """
+    of one (which the parsers, taking none, would refuse anyway, less clearly); ``where`` names the setting they came
+    from."""
     for i, token in enumerate(flags):
         if token == "--":
             return

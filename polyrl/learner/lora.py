@@ -68,10 +68,12 @@ def add_adapters(model: nn.Module, *, rank: int, alpha: float, targets: str, dro
 
     targeted = [m for full, m in model.named_modules() if isinstance(m, (nn.Linear, Conv1D)) and m is not head
                 and (names == "all-linear" or any(full == n or full.endswith("." + n) for n in names))]
-    widest = min((min(m.weight.shape) for m in targeted), default=None)  # a rank past it adds nothing but size
+    # past every targeted layer's smaller side a rank adds parameters and no capacity (narrow k/v projections of
+    # grouped-query attention stop gaining earlier than the rest, which still gain)
+    widest = max((min(m.weight.shape) for m in targeted), default=None)
     if widest is not None and rank > widest:
-        raise ValueError(f"lora_rank = {rank} is not allowed: the targeted layers' smallest side is {widest}, so a "
-                         f"higher rank adds parameters and no capacity; allowed: 1 .. {widest}")
+        raise ValueError(f"lora_rank = {rank} is not allowed: no targeted layer has a smaller side above {widest}, so "
+                         f"a higher rank adds parameters and no capacity; allowed: 1 .. {widest}")
     config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=names, bias="none")
     try:
         with warnings.catch_warnings():  # PEFT calls a transformers property deprecated in v5 (FutureWarning)

@@ -26,7 +26,7 @@ from polyrl.rollout.preference_data import PreferenceRow
 from polyrl.rollout.score import shape
 from polyrl.rollout.source import PromptStream
 from polyrl.tasks.base import Prompt
-from polyrl.tasks.chat import prompt_ids
+from polyrl.tasks.chat import own_unk_id, prompt_ids
 
 
 class PreferenceSource:
@@ -39,7 +39,7 @@ class PreferenceSource:
         self.rows, self.tokenizer, self.put, self.context = rows, tokenizer, put, context
         # every row before the first step (hours in, an --overwrite had deleted the old run)
         prompts = [put(Prompt(id=f"preference/{i}", text=r.prompt, answer="")) for i, r in enumerate(rows)]
-        eos, unk = int(tokenizer.eos_token_id is not None), getattr(tokenizer, "unk_token_id", None)
+        eos, unk = int(tokenizer.eos_token_id is not None), own_unk_id(tokenizer)
         encoded = {name: prompt_ids(tokenizer, prompts, [getattr(r, name) for r in rows])
                    for name in ("chosen", "rejected")}
         for i, row in enumerate(rows):

@@ -112,6 +112,14 @@ class PromptFormat:
         return done
 
 
+def own_unk_id(tokenizer) -> int | None:
+    """The id a tokenizer writes for text it has no token for, when that id means nothing else: GPT-2-style
+    tokenizers name ``<|endoftext|>`` (their BOS and EOS) as unk, but, byte-level, never need it."""
+    unk = getattr(tokenizer, "unk_token_id", None)
+    others = {getattr(tokenizer, f"{name}_token_id", None) for name in ("bos", "eos", "pad")}
+    return None if unk is None or unk in others else unk
+
+
 def prompt_ids(tokenizer, prompts: Sequence[Prompt | str], suffixes: Sequence[str] | None = None) -> list[list[int]]:
     """The token ids each prompt conditions the model on (with ``suffixes[i]`` appended to its text).
 

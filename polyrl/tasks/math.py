@@ -256,8 +256,10 @@ class MathTask:
         gold, pred = _gold(prompt.answer), parse(completion_text)
         ok = bool(pred) and bool(verify(gold, pred))
         bare = completion_text.strip()
-        if not ok and bare and len(bare) <= _BARE_MAX and "$" not in bare and "\\boxed" not in bare:
-            pred = parse(f"${bare}$")  # a short bare answer read whole, as the reference is: "B", "2\\sqrt{3}"
+        if not ok and _WORDS.fullmatch(bare):  # a word answer ("B", "Paris") is text: as maths, "eat" was "tea"
+            ok = " ".join(bare.lower().split()) == " ".join(prompt.answer.lower().split())
+        elif not ok and bare and len(bare) <= _BARE_MAX and "$" not in bare and "\\boxed" not in bare:
+            pred = parse(f"${bare}$")  # a short bare answer read whole, as the reference is: "2\\sqrt{3}"
             ok = bool(pred) and bool(verify(gold, pred))
         return (1.0 if ok else 0.0), {"parsed": [str(p) for p in pred][:2]}
 
@@ -272,22 +274,28 @@ def _answer_text(value: Any) -> str:
 
 _SCIENTIFIC = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)[eE][+-]?\d+")
 _BARE_MAX = 64  # a completion at most this long, with no $...$ or \boxed{}, is also read whole as LaTeX
-# Plain words closing an answer after a number or a LaTeX group ("5 dollars", "\\frac{1}{2} hours"): a unit.
-_TRAILING_WORDS = re.compile(r"(?<=[\d}.\s])\s*([A-Za-z]{2,}(?:\s+[A-Za-z]+)*)\s*$")
+# Plain words closing an answer after a space ("5 dollars", "\\frac{1}{2} hours"): a unit. Letters right after a
+# digit are algebra (2xy), and a math word (2 sin x) is none.
+_TRAILING_WORDS = re.compile(r"(?<=[\d}.])\s+([A-Za-z]{3,}(?:\s+[A-Za-z]+)*)\s*$")
+_MATH_WORDS = frozenset("sin cos tan cot sec csc sinh cosh tanh arcsin arccos arctan log ln exp sqrt pi mod max min "
+                        "det lim and or".split())
+_WORDS = re.compile(r"[A-Za-z]+(?: [A-Za-z]+)*")
 
 
 @functools.lru_cache(maxsize=65536)
 def _gold(answer: str) -> list:
     """The parsed reference. A data file's answer column is usually bare LaTeX (``2\\sqrt{3}``), which math-verify
     reads only inside $...$ or \\boxed{} (bare, it read 2, or nothing for ``\\sqrt{2}``): bare answers are wrapped.
-    Plain words after the value become ``\\text{}`` (wrapped as they are, ``5 dollars`` is the product 5*d*o*l*...)."""
+    Plain words after a space are a unit: the value alone counts too (wrapped whole, ``5 dollars`` is the product
+    5*d*o*l*...)."""
     from math_verify import parse
 
     if "$" in answer or "\\boxed" in answer:
         return parse(answer)
     if _SCIENTIFIC.fullmatch(answer.strip()):  # "1e-05" as text: read as a number, not 1 * e - 5
         answer = format(Decimal(answer.strip()), "f")
+    whole = parse(f"${answer}$")
     unit = _TRAILING_WORDS.search(answer)
-    if unit and answer[:unit.start()].strip():
-        answer = f"{answer[:unit.start()].rstrip()}\\text{{ {unit.group(1)}}}"
-    return parse(f"${answer}$")
+    if unit and answer[:unit.start()].strip() and not _MATH_WORDS & set(unit.group(1).lower().split()):
+        return parse(f"${answer[:unit.start()].rstrip()}$") + whole  # the value, or the answer read whole
+    return whole

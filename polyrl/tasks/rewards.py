@@ -64,9 +64,10 @@ def load_callable(spec: str) -> RewardFn:
 def parse_reward_specs(funcs: str | None, weights: str | None) -> tuple[list[str], list[float] | None]:
     """``--reward-funcs a,b`` and ``--reward-weights 1,0.2`` -> specs (default: the task's checker) and weights."""
     if funcs is not None and not funcs.strip():
-        raise ValueError("reward_funcs = '' names no reward function; give task, module:function or file.py:function")
+        raise ValueError(f"reward_funcs = {funcs!r} names no reward function; give task, module:function or "
+                         "file.py:function")
     if weights is not None and not weights.strip():
-        raise ValueError("reward_weights = '' gives no weights; give one number per reward function")
+        raise ValueError(f"reward_weights = {weights!r} gives no weights; give one number per reward function")
     specs = [s.strip() for s in funcs.split(",")] if funcs else ["task"]
     try:
         values = [float(w) for w in weights.split(",")] if weights else None
