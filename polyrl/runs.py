@@ -319,6 +319,15 @@ def nested_runs(run: Path) -> list[str]:
     return sorted(found)
 
 
+# What a run (train or a family's) writes in its directory; figures are any .png, an interrupted write leaves .tmp.
+RUN_OUTPUTS = frozenset({CONFIG, HISTORY, "metrics.jsonl", "samples.jsonl", "summary.json", "errors.log", "tb",
+                         "checkpoints", "checkpoint.pt", "checkpoint.pkl"})
+
+
+def _run_output(name: str) -> bool:
+    return name in RUN_OUTPUTS or name.endswith(".png") or (name.endswith(".tmp") and name[:-4] in RUN_OUTPUTS)
+
+
 def replaceable(run_dir: str | Path, *, inputs: dict[str, Any] | None = None) -> bool:
     """Whether ``--overwrite`` has a run to remove in ``run_dir`` (False: no directory, or an empty one); what it must
     not remove (see ``clear_run_dir``) is refused in one line naming run_dir."""
@@ -342,6 +351,12 @@ def replaceable(run_dir: str | Path, *, inputs: dict[str, Any] | None = None) ->
                               "--overwrite will not delete it: move it out or choose another --run-dir")
     held = run_contents(run)
     nested = nested_runs(run) if held else []  # no run here: refused whatever lies below
+    added = [e for e in entries if not _run_output(e)] if held and not nested else []
+    if added:  # a user's notes, an analysis folder, an export put inside: deleted with the run before
+        raise ConfigError(f"run_dir = {str(run)!r} holds a polyrl run and {len(added)} entr"
+                          f"{'y' if len(added) == 1 else 'ies'} no run writes ({', '.join(added[:4])}"
+                          f"{', ...' if len(added) > 4 else ''}); --overwrite would delete them with it: move them "
+                          "out or choose another --run-dir")
     if held and not nested:
         return True
     what = f"{len(entries)} entr{'y' if len(entries) == 1 else 'ies'} ({', '.join(entries[:4])}" + \

@@ -291,6 +291,15 @@ def test_overwrite_still_clears_a_run(run, tiny_model, capsys):
     assert [p.name for p in list_checkpoints(run)] == ["step_000001"]
 
 
+def test_overwrite_keeps_files_no_run_writes(run, tiny_model, capsys):
+    """A user's notes or analysis folder inside a run directory were deleted with the run by --overwrite."""
+    (run / "notes.txt").write_text("keep me")
+    (run / "analysis").mkdir()
+    code, err = _cli([*_small(tiny_model, run), "--steps", "1", "--overwrite"], capsys)
+    assert code == 2 and "holds a polyrl run and 2 entries no run writes (analysis, notes.txt)" in err, err
+    assert (run / "notes.txt").read_text() == "keep me" and (run / "metrics.jsonl").exists()
+
+
 def test_overwrite_refused_while_the_model_loads_keeps_the_old_run(run, tiny_model, capsys):
     """A setting that only the loaded model can refuse (LoRA targets) stops the command after --overwrite was
     accepted: the old run is put back as it was, and nothing is left beside it."""
