@@ -111,8 +111,11 @@ def _train(cfg: TrainConfig, method: Method, parts: Components, *, task: Task, m
     if resume_from is not None:
         state = _restore(parts, resume_from)
         on_schedule = bool(cfg.eval.every) and state.step % cfg.eval.every == 0 and state.step < cfg.steps
-        dropped = cut_logs(run, state.step, keep_eval=on_schedule) if parts.writes else 0  # rows after it: redone
-        aside = set_aside_newer(run, state.step) if parts.writes else []  # a newer branch is never loaded again
+        # First the newer branch is set aside (never loaded again), then the rows after this step go (redone): killed
+        # between the two, the next --resume starts here and cuts them; the other way round it resumed the newer
+        # branch past a gap in metrics.jsonl.
+        aside = set_aside_newer(run, state.step) if parts.writes else []
+        dropped = cut_logs(run, state.step, keep_eval=on_schedule) if parts.writes else 0
         console.print(f"resumed from {resume_from} at step {state.step}"
                       + (f" ({dropped} logged rows after it dropped)" if dropped else "")
                       + (f"; newer checkpoints kept as {', '.join(p.name for p in aside)}" if aside else ""))

@@ -351,6 +351,31 @@ def test_resuming_from_an_older_checkpoint_sets_the_newer_branch_aside(tiny_mode
     assert _step_rows(run) == [1, 2, 3]
 
 
+def test_a_resume_from_killed_between_branching_and_cutting_rows_continues_the_branch(tiny_model, tmp_path, capsys,
+                                                                                      monkeypatch):
+    """Killed right after the logs were cut, --resume-from left the newer checkpoint in place: the next --resume
+    continued the abandoned branch past a gap in metrics.jsonl. The branch is now set aside first."""
+    import polyrl.trainer
+
+    run = tmp_path / "run"
+    assert _cli([*_small(tiny_model, run), "--steps", "3", "--checkpoint-every", "1"], capsys)[0] == 0
+
+    cut = polyrl.trainer.cut_logs
+
+    def killed(*a, **k):
+        cut(*a, **k)
+        raise KeyboardInterrupt  # stands in for a SIGKILL right after the rows were cut
+
+    monkeypatch.setattr(polyrl.trainer, "cut_logs", killed)
+    older = run / "checkpoints" / "step_000002"
+    assert _cli(["train", "--run-dir", str(run), "--resume-from", str(older), "--steps", "3"], capsys)[0] != 0
+    assert _step_rows(run) == [1, 2]
+    monkeypatch.undo()
+    code, err = _cli(["train", "--run-dir", str(run), "--resume", "--steps", "3"], capsys)
+    assert code == 0, err
+    assert _step_rows(run) == [1, 2, 3]  # it resumed at step 2 (the branch chosen), not at 3 past a gap
+
+
 def test_threads_follow_the_cores_the_process_may_run_on(tiny_model):
     """A process given one core of two (taskset, a Slurm or docker cpuset) sized torch to every core of the machine
     (os.cpu_count), oversubscribing the one it had; it now counts the cores of its affinity."""
