@@ -735,7 +735,6 @@ def _rollout_runner(cfg: TrainConfig, method, learner, local, arbiter, model_dir
     actors = cfg.scale.actors(cfg.prefetch.staleness)
     if not actors:
         return local
-    from polyrl.learner.common import unfiltered
     from polyrl.learner.lora import plain_state_dict
     from polyrl.rollout.remote import RemoteRunner, WorkerPool, WorkerSpec
 
@@ -745,7 +744,7 @@ def _rollout_runner(cfg: TrainConfig, method, learner, local, arbiter, model_dir
                       threads=_generator_threads(cfg), baseline_dir=cfg.agency.baseline, agency_mode=cfg.agency.mode,
                       reference=method.needs_ref and not method.ref_sync_every,
                       reference_dir=cfg.distill.teacher,
-                      logprob_kwargs=dict(micro_batch_size=cfg.micro_batch_size, **unfiltered(learner.sampling)))
+                      logprob_kwargs=dict(micro_batch_size=cfg.micro_batch_size, **learner.sampling))
     pool = WorkerPool(spec, workers=actors, address=cfg.scale.ray_address, cpus=cfg.scale.ray_cpus,
                       gpus_per_worker=cfg.scale.rollout_worker_gpus, trainer_gpus=trainer_gpus,
                       weights=lambda: plain_state_dict(local.generator.model))

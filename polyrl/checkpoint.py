@@ -119,10 +119,25 @@ def save_checkpoint(
     ``adapters`` (the PEFT model of a LoRA run): the policy's weights are its adapter alone (``adapter/``, in
     PEFT's format), not ``model.safetensors``: the frozen base is the run's starting model.
     """
-    root = Path(run_dir) / "checkpoints"
-    root.mkdir(parents=True, exist_ok=True)
-    final = root / f"step_{step:06d}"
-    tmp = root / f".tmp_step_{step:06d}_{os.getpid()}"
+    from safetensors import SafetensorError
+
+    final = Path(run_dir) / "checkpoints" / f"step_{step:06d}"
+    tmp = final.with_name(f".tmp_step_{step:06d}_{os.getpid()}")
+    try:
+        _write(tmp, model, optimizer, scheduler, state, extra_models, adapters, step)
+    except (OSError, RuntimeError, SafetensorError) as e:  # a full disk, a read-only directory: one line, not a trace
+        shutil.rmtree(tmp, ignore_errors=True)
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else (str(e).strip().splitlines() or [""])[-1]
+        raise CheckpointError(f"checkpoint {final} cannot be written ({type(e).__name__}: {reason}); the earlier "
+                              "checkpoints are intact: free space or fix the directory, then --resume") from None
+    replace_dir(tmp, final)  # re-saving the same step: the old copy goes only once the new one is in place
+    prune_checkpoints(run_dir, step, keep_last)
+    return final
+
+
+def _write(tmp: Path, model, optimizer, scheduler, state, extra_models, adapters, step: int) -> None:
+    """Every file of a checkpoint into the fresh directory ``tmp``, its meta.json last."""
+    tmp.parent.mkdir(parents=True, exist_ok=True)
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
@@ -147,9 +162,6 @@ def save_checkpoint(
     )
     meta = {"format": FORMAT, "step": step, "files": {f: _sha256(tmp / f) for f in files}}
     (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
-    replace_dir(tmp, final)  # re-saving the same step: the old copy goes only once the new one is in place
-    prune_checkpoints(run_dir, step, keep_last)
-    return final
 
 
 def latest_checkpoint(run_dir: str | Path) -> Path | None:
@@ -191,11 +203,12 @@ def _restore_replaced(root: Path) -> None:
                 pass
 
 
-def resume_checkpoint(run_dir: str | Path, resume_from: str | Path | None = None) -> tuple[Path, dict[str, Any]]:
+def resume_checkpoint(run_dir: str | Path, resume_from: str | Path | None = None, *,
+                      use: str = "resume from it with --resume-from {path}") -> tuple[Path, dict[str, Any]]:
     """The checkpoint a resume starts from (``resume_from``, else the newest) and its verified meta.
 
-    A corrupt newest checkpoint is not skipped silently: the error names the newest intact one and the
-    flag that resumes from it.
+    A corrupt newest checkpoint is not skipped silently: the error names the newest intact one and how to ``use``
+    it (the caller's command: a resume, an export).
     """
     root = Path(run_dir) / "checkpoints"
     if resume_from is not None:
@@ -206,11 +219,7 @@ def resume_checkpoint(run_dir: str | Path, resume_from: str | Path | None = None
                 f"resume_from = {str(resume_from)!r} is not a checkpoint of run_dir = {str(run_dir)!r}; allowed: "
                 f"a directory {root}/step_NNNNNN (a resume continues this run; to train from another run's "
                 "weights, export them with `polyrl export` and start a new run with --model)")
-        meta = verify_checkpoint(path)
-        if meta["step"] != checkpoint_step(path):
-            raise CheckpointError(f"checkpoint {path}: its meta.json says step {meta['step']}, its name step "
-                                  f"{checkpoint_step(path)}; it was renamed or copied, so it cannot be resumed")
-        return path, meta
+        return path, verify_checkpoint(path)  # which also holds its meta.json's step to its name
     _restore_replaced(root)  # a step whose re-save was interrupted mid-swap is still the run's
     found = list_checkpoints(run_dir)[::-1]
     if not found:
@@ -223,8 +232,7 @@ def resume_checkpoint(run_dir: str | Path, resume_from: str | Path | None = None
                 verify_checkpoint(older)
             except CheckpointError:
                 continue
-            raise CheckpointError(f"{e}; the newest intact checkpoint is {older}: resume from it with "
-                                  f"--resume-from {older}") from None
+            raise CheckpointError(f"{e}; the newest intact checkpoint is {older}: {use.format(path=older)}") from None
         raise CheckpointError(f"{e}; no older intact checkpoint in {root}") from None
     return found[0], meta
 
@@ -272,6 +280,17 @@ def verify_checkpoint(path: str | Path) -> dict[str, Any]:
             isinstance(k, str) and isinstance(v, str) for k, v in files.items()):
         raise CheckpointError(f"checkpoint {path}: meta.json has files = {_short(files)}; allowed: an object of "
                               "file name -> SHA-256 (it is corrupt)")
+    # meta.json lists what it holds; what every checkpoint must hold is not left to it (an edited list hid a
+    # deleted trainer_state.pt or a truncated model until the load failed in a traceback)
+    weights = ("model.safetensors", f"{ADAPTER_DIR}/adapter_model.safetensors", "dcp/.metadata")
+    for needed in ("trainer_state.pt", weights):
+        if not any(n in files for n in (needed if isinstance(needed, tuple) else (needed,))):
+            what = needed if isinstance(needed, str) else " or ".join(needed)
+            raise CheckpointError(f"checkpoint {path}: meta.json lists no {what}; it is incomplete or corrupt")
+    named = re.fullmatch(r"step_(\d{6,})", path.name)
+    if named and int(named.group(1)) != step:
+        raise CheckpointError(f"checkpoint {path}: its meta.json says step {step}, its name step "
+                              f"{int(named.group(1))}; it was renamed, copied or edited, so it cannot be used")
     for name, digest in files.items():
         f = path / name
         if not f.exists():

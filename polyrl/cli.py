@@ -229,7 +229,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     if checkpoint.name == "checkpoints" and not (checkpoint / "meta.json").exists():  # RUN_DIR/checkpoints
         checkpoint = checkpoint.parent
     if not (checkpoint / "meta.json").exists() and (checkpoint / "checkpoints").is_dir():  # a run directory
-        checkpoint, _ = resume_checkpoint(checkpoint)  # its newest intact checkpoint (one line otherwise)
+        checkpoint, _ = resume_checkpoint(checkpoint, use=f"export it with `polyrl export {{path}} {args.out}`")
     named = checkpoint_step(checkpoint) is not None  # a checkpoint without meta.json: incomplete or corrupt
     if checkpoint.is_dir() and not (checkpoint / "meta.json").exists() and not named:
         inside = next((p for p in checkpoint.parents if (p / "meta.json").is_file()), None)  # e.g. step_N/adapter

@@ -291,6 +291,54 @@ def test_overwrite_still_clears_a_run(run, tiny_model, capsys):
     assert [p.name for p in list_checkpoints(run)] == ["step_000001"]
 
 
+def test_a_checkpoint_that_cannot_be_written_is_one_line_and_keeps_the_earlier_ones(tmp_path, monkeypatch):
+    """A full disk or a read-only directory ended the run in a 115-line traceback (the old checkpoints were kept)."""
+    import errno
+
+    import polyrl.checkpoint as ck
+    from polyrl.errors import CheckpointError
+
+    _save(tmp_path, 1, 1.0)
+
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(ck, "save_model", full)
+    with pytest.raises(CheckpointError) as e:
+        _save(tmp_path, 2, 2.0)
+    message = str(e.value)
+    assert "step_000002 cannot be written (OSError: No space left on device)" in message and "\n" not in message
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_000001"]  # no partial save left
+    assert _weight(tmp_path / "checkpoints" / "step_000001") == 1.0
+
+
+def test_a_meta_json_cannot_hide_a_missing_file_or_another_step(tmp_path):
+    """verify_checkpoint trusted meta.json's file list and step: an edited list hid a deleted trainer_state.pt (the
+    resume then failed on the missing file), and a step of 7 in step_000030 was resumed as step 7."""
+    from polyrl.checkpoint import verify_checkpoint
+    from polyrl.errors import CheckpointError
+
+    for edit, needle in ((lambda m: m["files"].pop("trainer_state.pt"), "meta.json lists no trainer_state.pt"),
+                         (lambda m: m["files"].pop("model.safetensors"), "lists no model.safetensors or"),
+                         (lambda m: m.update(step=7), "its meta.json says step 7, its name step 3")):
+        ck = _save(tmp_path / str(len(needle)), 3, 1.0)
+        meta = json.loads((ck / "meta.json").read_text())
+        edit(meta)
+        (ck / "meta.json").write_text(json.dumps(meta))
+        with pytest.raises(CheckpointError, match=needle):
+            verify_checkpoint(ck)
+
+
+def test_an_export_of_a_run_with_a_corrupt_newest_checkpoint_names_an_export_command(tmp_path, capsys):
+    """It said "resume from it with --resume-from ...", a flag export does not have."""
+    _save(tmp_path / "r", 1, 1.0)
+    newest = _save(tmp_path / "r", 2, 2.0)
+    (newest / "trainer_state.pt").write_bytes(b"damaged")
+    code, err = _cli(["export", tmp_path / "r", tmp_path / "out"], capsys)
+    assert code == 2 and "the newest intact checkpoint is" in err and "--resume-from" not in err, err
+    assert f"export it with `polyrl export {tmp_path / 'r' / 'checkpoints' / 'step_000001'} {tmp_path / 'out'}`" in err
+
+
 def test_overwrite_keeps_files_no_run_writes(run, tiny_model, capsys):
     """A user's notes or analysis folder inside a run directory were deleted with the run by --overwrite."""
     (run / "notes.txt").write_text("keep me")
