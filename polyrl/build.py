@@ -134,7 +134,7 @@ def resolve_train(args: argparse.Namespace, *, claim: Callable[[str], None] | No
     _recover_replaced(run_dir, notes)  # before anything reads the run directory (its config.json for --resume)
     if given.resume and not given.overwrite:
         values, overrides, changes = _resume_settings(run_dir, values, overrides, notes)
-    cfg = build_config(values)
+    cfg = build_config(values, strict=False)  # on resume, the run's saved record (an older polyrl's names too)
     cfg.run_dir = run_dir
     _processes_from_launcher(cfg, getattr(args, "nproc", None) is not None)
     validate(cfg)
@@ -617,6 +617,12 @@ def build_components(cfg: TrainConfig, method, task, model_dir: str) -> Componen
         baseline, _ = load_policy(cfg.agency.baseline, dtype=cfg.dtype, threads=_trainer_threads(cfg),
                                   setting="agency")
         baseline.to(next(sampler_model.parameters()).device)  # it mixes its next-token distribution in the sampler
+        from polyrl.shared_prompt import shares_prompts
+
+        if not (shares_prompts(policy) and shares_prompts(baseline)):  # found at the first decode before
+            raise ConfigError(f"agency = {cfg.agency.baseline!r} is not allowed with this model: agency transfer "
+                              "drops finished rows from the decode batch, which a linear-attention or state-space "
+                              "model's cache (LFM2, Qwen3.5) cannot do")
         arbiter = generator.arbiter = AgencyArbiter(baseline, parse_schedule(cfg.agency.schedule),
                                                     mode=cfg.agency.mode)
     runner = EpisodeRunner(generator, tokenizer, task, own_weights=ranks is not None or cfg.engine.backend == "vllm")

@@ -299,8 +299,18 @@ def _typed(s: Setting, value: Any) -> Any:
     return float(value) if base is float else value
 
 
-def build_config(values: dict[str, Any], cls: type = TrainConfig) -> Any:
-    """Instantiate ``cls`` from flat settings (TOML merged with flags), checking each one's type."""
+def build_config(values: dict[str, Any], cls: type = TrainConfig, *, strict: bool = True) -> Any:
+    """Instantiate ``cls`` from flat settings (TOML merged with flags), checking each one's type. A name that is no
+    setting is refused in one line (``build_config({"tree_root": ...})`` was silently ignored); ``strict=False``
+    leaves out those of a run's saved record, which an older polyrl may have written."""
+    if strict:
+        known = {s.name for s in settings(cls)}
+        unknown = sorted(k for k in values if k not in known)
+        if unknown:
+            close = difflib.get_close_matches(unknown[0], known, n=1)
+            raise ConfigError(f"{unknown[0]} is not a setting of {cls.__name__}"
+                              + (f" (did you mean {close[0]}?)" if close else "")
+                              + "; the flat names are polyrl train's flags with _ for -")
     top: dict[str, Any] = {}
     sections: dict[str, dict[str, Any]] = {}
     for s in settings(cls):

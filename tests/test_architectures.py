@@ -188,6 +188,18 @@ def test_rows_that_finish_early_leave_the_others_decoding(arch, tokenizers, tmp_
     torch.testing.assert_close(logp * comp, rollout, atol=1e-4, rtol=0)
 
 
+@pytest.mark.skipif("lfm2" not in ARCHITECTURES, reason="transformers lacks LFM2")
+def test_agency_with_a_hybrid_model_is_refused_before_training(tokenizers, tmp_path):
+    """Agency transfer drops finished rows, which a hybrid's cache cannot: it was refused only at the first decode."""
+    model_dir = build_tiny("lfm2", tmp_path / "m", tokenizer=tokenizers[False])
+    cfg = build_config(dict(steps=1, prompts_per_step=2, group_size=2, max_new_tokens=6, eval_prompts=2,
+                            eval_every=0, tensorboard=False, threads=1, agency=str(model_dir),
+                            reward_funcs="tests.reward_fns:digit_fraction"))
+    with pytest.raises(ConfigError, match="agency = .* is not allowed with this model"):
+        train(cfg, get_method("grpo"), model_dir=str(model_dir), task=AdditionTask(), run_dir=str(tmp_path / "r"),
+              console=QUIET)
+
+
 @pytest.mark.skipif("gpt2" not in ARCHITECTURES, reason="transformers lacks GPT-2")
 def test_a_config_s_dropout_is_off_so_training_scores_what_was_sampled(tokenizers, tmp_path):
     """GPT-2's config sets dropout 0.1 (resid, embd, attn); the training pass runs in train mode, where it made the

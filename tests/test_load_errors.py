@@ -31,6 +31,12 @@ def run(tiny_model, tmp_path_factory):
     return run
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def _digest(root: Path) -> dict[str, str]:
     return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
             for p in sorted(root.rglob("*")) if p.is_file()}
@@ -123,7 +129,14 @@ def test_export_destination_must_be_new_empty_or_a_previous_export(run, tiny_mod
     assert main(["export", str(run / "checkpoints" / "step_000001"), str(out)]) == 0  # a previous export: replaced
     assert json.loads((out / EXPORT_MARKER).read_text())["checkpoint"].endswith("step_000001")
     assert sorted(p.name for p in out.parent.iterdir()) == ["hf"]  # no temporary or old copy left beside it
+    assert out.stat().st_mode & 0o777 == 0o777 & ~_umask()  # not mkdtemp's 0700: a serving account reads it
     load_policy(out, threads=1)
+    # an export killed midway: its temporary copy, and the previous export it was swapping out with `out` gone
+    (out.parent / ".hf.export-abc123").mkdir()
+    out.rename(out.parent / ".old_hf_4242")
+    assert main(["export", str(run), str(out)]) == 0
+    assert sorted(p.name for p in out.parent.iterdir()) == ["hf"]  # both settled (they stayed, full-size, for good)
+    assert json.loads((out / EXPORT_MARKER).read_text())["checkpoint"].endswith("step_000002")
     empty = tmp_path / "empty"
     empty.mkdir()
     assert main(["export", str(run), str(empty)]) == 0

@@ -84,7 +84,7 @@ def family_config(values: dict, cls, validate):
     from polyrl.config import ConfigError, build_config
     from polyrl.errors import FLOAT32_MAX
 
-    cfg = build_config(values, cls)
+    cfg = build_config(values, cls, strict=False)  # a resumed run's saved record among them
     seed = getattr(cfg, "seed", 0)
     if not 0 <= seed < 2**32:  # as train's; flow and marl took -1 (a pretrain cache entry named seed-1)
         raise ConfigError(f"seed = {seed} is not allowed; allowed: an integer in [0, 2**32)")

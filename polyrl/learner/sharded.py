@@ -19,6 +19,7 @@ import json
 import os
 import shutil
 import warnings
+from glob import escape as glob_escape
 from pathlib import Path
 from typing import Any
 
@@ -248,6 +249,24 @@ def check_export_destination(checkpoint_dir: str | Path, out_dir: str | Path) ->
     return real
 
 
+def _settle_interrupted_export(out: Path) -> None:
+    """What an export killed midway left beside ``out``: its temporary copy (``.OUT.export-*``) is deleted, and a
+    previous export it was replacing (``.old_OUT_*``, holding ``EXPORT_MARKER``) is put back when ``out`` is gone,
+    else deleted. Later exports used to leave both there, full-size, for good."""
+    if not out.parent.is_dir():
+        return
+    for tmp in out.parent.glob(f".{glob_escape(out.name)}.export-*"):
+        if tmp.is_dir() and not tmp.is_symlink():
+            shutil.rmtree(tmp, ignore_errors=True)
+    for old in sorted(out.parent.glob(f".old_{glob_escape(out.name)}_*")):
+        if not (old.is_dir() and (old / EXPORT_MARKER).is_file() and old.name[len(out.name) + 6:].isdigit()):
+            continue
+        if out.exists() or out.is_symlink():
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(old, out)
+
+
 def export_hf(checkpoint_dir: str | Path, out_dir: str | Path, model_dir: str | Path, *,
               chat_template: str = "auto", template_text: str | None = None) -> Path:
     """Write the policy of a checkpoint (either layout, or a LoRA adapter: merged) as a plain Hugging Face directory
@@ -275,6 +294,7 @@ def export_hf(checkpoint_dir: str | Path, out_dir: str | Path, model_dir: str | 
 
     checkpoint_dir = Path(checkpoint_dir)
     verify_checkpoint(checkpoint_dir)
+    _settle_interrupted_export(Path(os.path.abspath(out_dir)))
     out = check_export_destination(checkpoint_dir, out_dir)
     check_model_dir(model_dir)
     tokenizer = load_tokenizer(model_dir)
@@ -307,6 +327,9 @@ def export_hf(checkpoint_dir: str | Path, out_dir: str | Path, model_dir: str | 
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.export-", dir=out.parent))
+        mask = os.umask(0)
+        os.umask(mask)
+        tmp.chmod(0o777 & ~mask)  # mkdtemp's 0700 would keep a serving account from reading the export
     except OSError as e:
         raise ConfigError(f"out = {str(out_dir)!r}: cannot create a directory there ({e})") from None
     try:

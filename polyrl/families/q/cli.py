@@ -54,7 +54,7 @@ def resolve_train(args: argparse.Namespace):
         # a --config TOML is compared like the flags: what it repeats is no change, what it changes is refused
         given = {**(load_toml(args.config, QTrainConfig) if args.config else {}), **_given(args, QTrainConfig)}
         values, changes = resume_values(effective_config(args.run_dir), given)
-        cfg = build_config(values, QTrainConfig)
+        cfg = build_config(values, QTrainConfig, strict=False)  # the run's saved record
     else:
         values = load_toml(args.config, QTrainConfig) if args.config else {}
         values.update(_given(args, QTrainConfig))
