@@ -94,10 +94,3 @@ def test_drift_prompts_are_bounded():
     with pytest.raises(ConfigError, match=r"drift_prompts = 1000001 is not allowed; must be an integer in \[0, 10+\]"):
         validate(build_config({"drift_prompts": 10**6 + 1}))
 
-
-def test_build_config_refuses_a_name_that_is_no_setting():
-    """The Python API ignored a misspelled flat name silently (build_config({"agency_baseline": ...}) ran no agency)."""
-    with pytest.raises(ConfigError, match=r"tree_root is not a setting of TrainConfig \(did you mean tree_roots\?\)"):
-        build_config({"tree_root": "sample"})
-    assert build_config({"tree_roots": "sample"}).tree.roots == "sample"
-    assert build_config({"old_name": 1, "steps": 3}, strict=False).steps == 3  # a saved record of an older polyrl
