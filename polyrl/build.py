@@ -244,7 +244,7 @@ def _check_contexts(cfg: TrainConfig, notes: list[str]) -> None:
 def _check_data_prompts(task, tokenizer, max_new_tokens: int, context: int | None) -> None:
     """Every prompt of a data file fits the model's context with ``max_new_tokens``, checked before any step (as
     verl's truncation='error'; the sampler refuses one too, but only once a step reaches it, hours in)."""
-    from polyrl.tasks.chat import own_unk_id, prompt_ids
+    from polyrl.tasks.chat import own_unk_id, prompt_ids, unknown_characters
 
     size, unk = getattr(task, "split_size", None), own_unk_id(tokenizer)
     if (context is None and unk is None) or size is None:
@@ -256,7 +256,7 @@ def _check_data_prompts(task, tokenizer, max_new_tokens: int, context: int | Non
         unknown = [i for i, ids in enumerate(encoded) if unk is not None and unk in ids]
         if unknown:  # a character tokenizer (the warm starts') has no token for it: the model would read <unk>
             text = prompts[unknown[0]].rendered or prompts[unknown[0]].text
-            chars = sorted({c for c in text if unk in tokenizer(c, add_special_tokens=False)["input_ids"]})
+            chars = unknown_characters(tokenizer, unk, text)
             raise ConfigError(f"data_file: {len(unknown)} of its {len(prompts)} {split} prompts hold characters the "
                               f"tokenizer has no token for (prompt {prompts[unknown[0]].id!r}: "
                               f"{', '.join(map(repr, chars[:8])) or 'its markup'}), which it would read as "
@@ -617,9 +617,9 @@ def build_components(cfg: TrainConfig, method, task, model_dir: str) -> Componen
         baseline, _ = load_policy(cfg.agency.baseline, dtype=cfg.dtype, threads=_trainer_threads(cfg),
                                   setting="agency")
         baseline.to(next(sampler_model.parameters()).device)  # it mixes its next-token distribution in the sampler
-        from polyrl.shared_prompt import shares_prompts
+        from polyrl.shared_prompt import kv_only_cache
 
-        if not (shares_prompts(policy) and shares_prompts(baseline)):  # found at the first decode before
+        if not (kv_only_cache(policy) and kv_only_cache(baseline)):  # found at the first decode before
             raise ConfigError(f"agency = {cfg.agency.baseline!r} is not allowed with this model: agency transfer "
                               "drops finished rows from the decode batch, which a linear-attention or state-space "
                               "model's cache (LFM2, Qwen3.5) cannot do")

@@ -282,11 +282,11 @@ def verify_checkpoint(path: str | Path) -> dict[str, Any]:
                               "file name -> SHA-256 (it is corrupt)")
     # meta.json lists what it holds; what every checkpoint must hold is not left to it (an edited list hid a
     # deleted trainer_state.pt or a truncated model until the load failed in a traceback)
-    weights = ("model.safetensors", f"{ADAPTER_DIR}/adapter_model.safetensors", "dcp/.metadata")
-    for needed in ("trainer_state.pt", weights):
-        if not any(n in files for n in (needed if isinstance(needed, tuple) else (needed,))):
-            what = needed if isinstance(needed, str) else " or ".join(needed)
-            raise CheckpointError(f"checkpoint {path}: meta.json lists no {what}; it is incomplete or corrupt")
+    weights = ("model.safetensors", f"{ADAPTER_DIR}/adapter_model.safetensors", "dcp/.metadata")  # by layout
+    for needed in (("trainer_state.pt",), weights):
+        if not any(n in files for n in needed):
+            raise CheckpointError(f"checkpoint {path}: meta.json lists no {' or '.join(needed)}; it is incomplete or "
+                                  "corrupt")
     named = re.fullmatch(r"step_(\d{6,})", path.name)
     if named and int(named.group(1)) != step:
         raise CheckpointError(f"checkpoint {path}: its meta.json says step {step}, its name step "

@@ -307,10 +307,10 @@ def build_config(values: dict[str, Any], cls: type = TrainConfig, *, strict: boo
         known = {s.name for s in settings(cls)}
         unknown = sorted(k for k in values if k not in known)
         if unknown:
-            close = difflib.get_close_matches(unknown[0], known, n=1)
-            raise ConfigError(f"{unknown[0]} is not a setting of {cls.__name__}"
-                              + (f" (did you mean {close[0]}?)" if close else "")
-                              + "; the flat names are polyrl train's flags with _ for -")
+            from polyrl.registry import did_you_mean
+
+            raise ConfigError(f"{unknown[0]} is not a setting of {cls.__name__}{did_you_mean(unknown[0], known)}; "
+                              "the flat names are polyrl train's flags with _ for -")
     top: dict[str, Any] = {}
     sections: dict[str, dict[str, Any]] = {}
     for s in settings(cls):

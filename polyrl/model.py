@@ -27,7 +27,7 @@ from torch.autograd.function import once_differentiable
 
 from polyrl.errors import ConfigError
 from polyrl.runs import cores
-from polyrl.shared_prompt import distinct_prompts, shared_prompt_states, shares_prompts
+from polyrl.shared_prompt import distinct_prompts, kv_only_cache, shared_prompt_states
 
 DType = Literal["float32", "bfloat16", "float16", "float64"]
 DTYPES: dict[str, torch.dtype] = {
@@ -383,7 +383,7 @@ def completion_logprobs(
         raise ValueError(f"topk={topk} exceeds the vocabulary size {head.out_features}")
 
     position_ids = (attention_mask.long().cumsum(dim=-1) - 1).clamp_min(0)
-    shared = distinct_prompts(input_ids, attention_mask, width) if share_prompts and shares_prompts(model) else None
+    shared = distinct_prompts(input_ids, attention_mask, width) if share_prompts and kv_only_cache(model) else None
     if shared is not None:
         hidden = shared_prompt_states(model, input_ids, attention_mask, position_ids, width, *shared)  # [B, T, H]
     else:

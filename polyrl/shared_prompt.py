@@ -38,26 +38,21 @@ def distinct_prompts(input_ids: Tensor, attention_mask: Tensor, width: int) -> t
     return first, inverse
 
 
-_SHARES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> shares_prompts (once per model)
+_KV_ONLY: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> kv_only_cache (once per model)
 
 
-def shares_prompts(model: nn.Module) -> bool:
-    """Whether ``model``'s cache holds keys and values alone, which indexing out to the rows copies with their
-    gradients. A hybrid's convolution or recurrent states (Qwen3.5's linear attention, LFM2) are updated in place by
-    the completion block, which breaks the backward pass: such a model runs the plain forward."""
-    if model not in _SHARES:
+def kv_only_cache(model: nn.Module) -> bool:
+    """Whether ``model``'s cache holds keys and values alone (dynamic or sliding-window layers), which lets rows share a
+    prompt's cache (indexed out with its gradients) and leave a decode batch. A hybrid's convolution or recurrent
+    states (Qwen3.5's linear attention, LFM2) are updated in place by a completion block, which breaks the backward
+    pass: such a model runs the plain training forward and takes no agency transfer."""
+    if model not in _KV_ONLY:
         from transformers import DynamicCache
+        from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
-        _SHARES[model] = holds_keys_and_values(DynamicCache(config=model.config))
-    return _SHARES[model]
-
-
-def holds_keys_and_values(cache, *own_layers: type) -> bool:
-    """Whether every layer of ``cache`` holds keys and values alone (transformers' dynamic and sliding-window
-    layers, or ``own_layers``), not a linear-attention or state-space layer's convolution and recurrent states."""
-    from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
-
-    return all(type(layer) in (DynamicLayer, DynamicSlidingWindowLayer, *own_layers) for layer in cache.layers)
+        layers = DynamicCache(config=model.config).layers
+        _KV_ONLY[model] = all(type(layer) in (DynamicLayer, DynamicSlidingWindowLayer) for layer in layers)
+    return _KV_ONLY[model]
 
 
 def shared_prompt_states(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor,

@@ -388,7 +388,7 @@ def test_gdpo_takes_its_channel_weights_from_reward_weights(tmp_path):
 
 def test_build_config_refuses_a_name_that_is_no_setting():
     """The Python API ignored a misspelled flat name silently (build_config({"agency_baseline": ...}) ran no agency)."""
-    with pytest.raises(ConfigError, match=r"tree_root is not a setting of TrainConfig \(did you mean tree_roots\?\)"):
+    with pytest.raises(ConfigError, match=r"tree_root is not a setting of TrainConfig \(did you mean 'tree_roots'\?\)"):
         build_config({"tree_root": "sample"})
     assert build_config({"tree_roots": "sample"}).tree.roots == "sample"
     assert build_config({"old_name": 1, "steps": 3}, strict=False).steps == 3  # a saved record of an older polyrl

@@ -35,6 +35,7 @@ def add_adapters(model: nn.Module, *, rank: int, alpha: float, targets: str, dro
     or one that would put an adapter on the LM head, raises ValueError naming ``lora_targets``.
     """
     from peft import LoraConfig, get_peft_model
+    from transformers.pytorch_utils import Conv1D
 
     names = "all-linear" if targets == "all-linear" else [t.strip() for t in targets.split(",") if t.strip()]
     head = model.get_output_embeddings()
@@ -42,16 +43,14 @@ def add_adapters(model: nn.Module, *, rank: int, alpha: float, targets: str, dro
     if isinstance(names, list) and head_names & set(names):
         raise ValueError(f"lora_targets = {targets!r} names the LM head ({', '.join(sorted(head_names))}); the head "
                          "is applied as a plain linear layer by the sampler and the trainer: leave it out")
+    layer = (nn.Linear, Conv1D)  # GPT-2's linear layers are transformers' Conv1D, which PEFT adapts too
+    modules = dict(model.named_modules())
+
+    def matched(wanted) -> list[nn.Module]:  # PEFT's rule: the full name or its dotted suffix
+        return [m for full, m in modules.items() if any(full == n or full.endswith("." + n) for n in wanted)]
+
     if isinstance(names, list):  # PEFT refuses only when no name matches: one stray name would be ignored
-        from transformers.pytorch_utils import Conv1D
-
-        layer = (nn.Linear, Conv1D)  # GPT-2's linear layers are transformers' Conv1D, which PEFT adapts too
-        modules = dict(model.named_modules())
-
-        def matched(n: str) -> list[nn.Module]:  # PEFT's rule: the full name or its dotted suffix
-            return [m for full, m in modules.items() if full == n or full.endswith("." + n)]
-
-        missing = [n for n in names if not matched(n)]
+        missing = [n for n in names if not matched([n])]
         linear = sorted({full.rsplit(".", 1)[-1] for full, m in modules.items()
                          if isinstance(m, layer) and m is not head})
         if missing:
@@ -59,15 +58,13 @@ def add_adapters(model: nn.Module, *, rank: int, alpha: float, targets: str, dro
                              f"match{'es' if len(missing) == 1 else ''} no module of the model; "
                              f"allowed: all-linear or names among {', '.join(linear)}")
         # a block (mlp, layers): PEFT's error then printed the module's repr, cut to its first line
-        blocks = [n for n in names if not any(isinstance(m, layer) for m in matched(n))]
+        blocks = [n for n in names if not any(isinstance(m, layer) for m in matched([n]))]
         if blocks:
             raise ValueError(f"lora_targets = {targets!r}: {', '.join(blocks)} "
                              f"{'is a block' if len(blocks) == 1 else 'are blocks'} of modules, not a linear layer; "
                              f"allowed: all-linear or names among {', '.join(linear)}")
-    from transformers.pytorch_utils import Conv1D
-
-    targeted = [m for full, m in model.named_modules() if isinstance(m, (nn.Linear, Conv1D)) and m is not head
-                and (names == "all-linear" or any(full == n or full.endswith("." + n) for n in names))]
+    targeted = [m for m in (modules.values() if names == "all-linear" else matched(names))
+                if isinstance(m, layer) and m is not head]
     # past every targeted layer's smaller side a rank adds parameters and no capacity (narrow k/v projections of
     # grouped-query attention stop gaining earlier than the rest, which still gain)
     widest = max((min(m.weight.shape) for m in targeted), default=None)

@@ -40,9 +40,9 @@ from torch import Tensor, nn
 from polyrl.errors import TrainingError
 from polyrl.model import context_length, float32_head, head_logits, linear_head, logit_softcap, process_logits
 from polyrl.rollout.agency.arbiter import AgencyArbiter
-from polyrl.rollout.generator import Sample, SamplingParams, check_prompts_fit, draw_tokens
-from polyrl.rollout.kv_cache import decode_cache, drops_rows, fill_order
-from polyrl.shared_prompt import cache_keyword, distinct_prompts
+from polyrl.rollout.generator import Sample, SamplingParams, check_prompts_fit, draw_tokens, eos_token_ids
+from polyrl.rollout.kv_cache import decode_cache, fill_order
+from polyrl.shared_prompt import cache_keyword, distinct_prompts, kv_only_cache
 from polyrl.tasks.chat import prompt_ids as encode_prompts
 
 TOKENS, COINS = 0, 1  # the two random streams of a row
@@ -60,13 +60,7 @@ class HFGenerator:
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size
         self.fp32_head = fp32_head  # float32 LM head, as completion_logprobs(fp32_head=True)
-        eos = model.generation_config.eos_token_id
-        eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
-        if tokenizer.eos_token_id is not None:
-            eos_ids.add(tokenizer.eos_token_id)
-        if not eos_ids:
-            raise ValueError("HFGenerator: neither the tokenizer nor the generation config defines an EOS token")
-        self.eos_ids = sorted(eos_ids)
+        self.eos_ids = eos_token_ids(model.generation_config.eos_token_id, tokenizer, "HFGenerator")
         # The filler of padded slots is never attended to; any valid id works.
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_ids[0]
         self.arbiter: AgencyArbiter | None = None  # agency transfer: mix a frozen baseline into sampling
@@ -170,7 +164,7 @@ class HFGenerator:
         cache = decode_cache(self.model.config, width + steps)  # keys written in place, not concatenated
         self._heads = {id(self.model): self._sampling_head(self.head)}  # a float32 copy made once per call
         logits = self._prefill(input_ids, attention_mask, position_ids, cache, shared)
-        keep_rows = not drops_rows(cache)  # finished rows stay in the batch; what they draw after EOS is dropped
+        keep_rows = not kv_only_cache(self.model)  # conv/recurrent states cannot drop rows: finished ones stay
         done = torch.zeros(count, dtype=torch.bool, device=device)
         if keep_rows and arbiter is not None:
             raise ValueError("agency transfer needs a model whose cache drops finished rows (keys and values only); "
@@ -189,22 +183,19 @@ class HFGenerator:
                 token, logp = arbiter.pick(_processed(logits, params), _processed(base_logits, params),
                                            params.temperature == 0, uniforms[rows, step], coins[rows, step + 1], mix,
                                            rows)
-            if keep_rows:  # every row is still here: write only those that had not finished
-                at, finished = ~done, torch.isin(token, eos_ids) & ~done
-                tokens[at, step], logps[at, step], lengths[at], stopped[at] = token[at], logp[at], step + 1, \
-                    finished[at]
-                sq[done, step] = 0.0
+            tokens[rows, step] = token
+            logps[rows, step] = logp
+            finished = torch.isin(token, eos_ids)
+            if keep_rows:  # finished rows stay in the batch: what they draw past their EOS lies beyond their length
+                finished &= ~done
+                lengths[rows[~done]] = step + 1
+                stopped[rows] |= finished
                 done |= finished
-                if step == steps - 1 or bool(done.all()):
-                    break
             else:
-                tokens[rows, step] = token
-                logps[rows, step] = logp
                 lengths[rows] = step + 1
-                finished = torch.isin(token, eos_ids)
                 stopped[rows] = finished
-                if step == steps - 1 or bool(finished.all()):
-                    break
+            if step == steps - 1 or bool((done if keep_rows else finished).all()):
+                break
             if not keep_rows and bool(finished.any()):
                 live = fill_order(finished)  # the live rows, ordered to move the fewest cache rows
                 rows, token, next_position = rows[live], token[live], next_position[live]

@@ -21,8 +21,6 @@ from torch import Tensor
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from polyrl.shared_prompt import holds_keys_and_values
-
 
 class InPlaceLayer(DynamicLayer):
     """A ``DynamicLayer`` whose keys/values live in a buffer of ``capacity`` slots; ``keys`` is the filled view."""
@@ -83,13 +81,6 @@ def decode_cache(config, capacity: int) -> DynamicCache:
     cache = DynamicCache(config=config)
     cache.layers = [InPlaceLayer(capacity) if type(layer) is DynamicLayer else layer for layer in cache.layers]
     return cache
-
-
-def drops_rows(cache: DynamicCache) -> bool:
-    """Whether finished rows can leave ``cache`` (``batch_select_indices``): keys and values are all its layers hold.
-    A linear-attention or state-space layer (LFM2, Qwen3.5, Falcon-H1) keeps convolution and recurrent states that
-    row selection leaves behind, so such a cache keeps every row to the end of the batch."""
-    return holds_keys_and_values(cache, InPlaceLayer)
 
 
 def fill_order(finished: Tensor) -> Tensor:

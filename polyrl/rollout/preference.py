@@ -26,7 +26,7 @@ from polyrl.rollout.preference_data import PreferenceRow
 from polyrl.rollout.score import shape
 from polyrl.rollout.source import PromptStream
 from polyrl.tasks.base import Prompt
-from polyrl.tasks.chat import own_unk_id, prompt_ids
+from polyrl.tasks.chat import own_unk_id, prompt_ids, unknown_characters
 
 
 class PreferenceSource:
@@ -47,8 +47,7 @@ class PreferenceSource:
                 ids = encoded[name][i]
                 self._check_length(row, name, len(ids) + eos)
                 if unk is not None and unk in ids:  # a character tokenizer reads what it lacks as <unk>
-                    text = row.prompt + getattr(row, name)
-                    chars = sorted({c for c in text if unk in tokenizer(c, add_special_tokens=False)["input_ids"]})
+                    chars = unknown_characters(tokenizer, unk, row.prompt + getattr(row, name))
                     raise ConfigError(f"preference_file row {row.line}: its prompt or {name} completion holds "
                                       f"characters the tokenizer has no token for ({', '.join(map(repr, chars[:8]))}), "
                                       f"which it would read as {tokenizer.unk_token}; drop the row or use a model "

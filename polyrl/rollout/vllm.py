@@ -30,7 +30,7 @@ import secrets
 import numpy as np
 from torch import Tensor
 
-from polyrl.rollout.generator import Sample, SamplingParams, check_prompts_fit
+from polyrl.rollout.generator import Sample, SamplingParams, check_prompts_fit, eos_token_ids
 
 TOKENS = 0  # HFGenerator's stream index of the token draws: the seed of a row is derived as its uniforms are
 
@@ -48,12 +48,7 @@ def engine_eos_ids(model_config, tokenizer) -> list[int]:
     generation = model_config.try_get_generation_config().get("eos_token_id")
     if generation is None:
         generation = getattr(model_config.hf_text_config, "eos_token_id", None)
-    eos_ids = set()
-    for value in (generation, tokenizer.eos_token_id):
-        eos_ids.update(value if isinstance(value, list) else [] if value is None else [value])
-    if not eos_ids:
-        raise ValueError("VLLMGenerator: neither the tokenizer nor the model config defines an EOS token")
-    return sorted(eos_ids)
+    return eos_token_ids(generation, tokenizer, "VLLMGenerator")
 
 
 class VLLMGenerator:

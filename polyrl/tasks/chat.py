@@ -120,6 +120,11 @@ def own_unk_id(tokenizer) -> int | None:
     return None if unk is None or unk in others else unk
 
 
+def unknown_characters(tokenizer, unk: int, text: str) -> list[str]:
+    """The characters of ``text`` that ``tokenizer`` writes as its unk id ``unk`` (``own_unk_id``), sorted."""
+    return sorted({c for c in text if unk in tokenizer(c, add_special_tokens=False)["input_ids"]})
+
+
 def prompt_ids(tokenizer, prompts: Sequence[Prompt | str], suffixes: Sequence[str] | None = None) -> list[list[int]]:
     """The token ids each prompt conditions the model on (with ``suffixes[i]`` appended to its text).
 

@@ -265,10 +265,12 @@ class MathTask:
 
 
 def _answer_text(value: Any) -> str:
-    """A reference answer as text: a float from JSON in positional notation (str(1e-05) is '1e-05', which math-verify
-    reads as 1), anything else as str()."""
+    """A reference answer as text: a number in scientific notation, a JSON float or text like "1e-05", in positional
+    notation (math-verify reads '1e-05' as 1, or as 1 * e - 5 once wrapped in $...$), anything else as str()."""
     if isinstance(value, float) and math.isfinite(value):
         return format(Decimal(repr(value)), "f")
+    if isinstance(value, str) and _SCIENTIFIC.fullmatch(value.strip()):
+        return format(Decimal(value.strip()), "f")
     return str(value)
 
 
@@ -292,8 +294,6 @@ def _gold(answer: str) -> list:
 
     if "$" in answer or "\\boxed" in answer:
         return parse(answer)
-    if _SCIENTIFIC.fullmatch(answer.strip()):  # "1e-05" as text: read as a number, not 1 * e - 5
-        answer = format(Decimal(answer.strip()), "f")
     whole = parse(f"${answer}$")
     unit = _TRAILING_WORDS.search(answer)
     if unit and answer[:unit.start()].strip() and not _MATH_WORDS & set(unit.group(1).lower().split()):

@@ -65,12 +65,17 @@ def resume_config(run_dir: Path, given: dict):
     return _build(values), saved["method"], changes
 
 
+def _default_run_dir(method, cfg) -> str:
+    """Where a run goes without --run-dir (and where --resume without it looks)."""
+    return f"runs/marl/{method.name}-s{cfg.seed}"
+
+
 def cmd_marl_train(args: argparse.Namespace) -> int:
     from polyrl.families.marl.methods import get_marl_method
     from polyrl.runs import resume_hold
 
     if args.resume and not args.run_dir:  # the run a command without --run-dir made, as for duplex and train
-        args.run_dir = f"runs/marl/{get_marl_method(args.method or 'mappo').name}-s{_build(_given(args)).seed}"
+        args.run_dir = _default_run_dir(get_marl_method(args.method or "mappo"), _build(_given(args)))
     with resume_hold(args.run_dir if args.resume and args.run_dir else None):  # a new run is held by new_run
         return _train(args)
 
@@ -104,7 +109,7 @@ def _train(args: argparse.Namespace) -> int:
         cfg = _build(given)
         method = get_marl_method(args.method or "mappo")
     where = (contextlib.nullcontext(run_dir) if args.resume else
-             new_run(args.run_dir or f"runs/marl/{method.name}-s{cfg.seed}", overwrite=args.overwrite,
+             new_run(args.run_dir or _default_run_dir(method, cfg), overwrite=args.overwrite,
                      inputs=vars(args), record=_record(cfg, method)))
     with where as run_dir:
         console.print(f"marl method: {method.name} (critic {method.critic}); teams {cfg.teams}, "

@@ -64,6 +64,11 @@ def resolve_train(args: argparse.Namespace):
     return cfg, method, changes
 
 
+def _default_run_dir(method, cfg) -> str:
+    """Where a run goes without --run-dir (and where --resume without it looks)."""
+    return f"runs/q/{method.name}-{cfg.task}-s{cfg.seed}"
+
+
 def cmd_q_train(args: argparse.Namespace) -> int:
     from polyrl.config import build_config, load_toml
     from polyrl.families.q.methods import get_q_method
@@ -74,7 +79,7 @@ def cmd_q_train(args: argparse.Namespace) -> int:
         values = load_toml(args.config, QTrainConfig) if args.config else {}
         cfg = build_config({**values, **_given(args, QTrainConfig)}, QTrainConfig)
         method = get_q_method(args.method or DEFAULT_METHOD, lam=args.lam, period=args.period)
-        args.run_dir = f"runs/q/{method.name}-{cfg.task}-s{cfg.seed}"
+        args.run_dir = _default_run_dir(method, cfg)
 
     with resume_hold(args.run_dir if args.resume and args.run_dir else None):  # a new run is held by new_run
         return _train(args)
@@ -94,7 +99,7 @@ def _train(args: argparse.Namespace) -> int:
         check_resume_steps(cfg.steps, step, args.run_dir)  # fewer steps than done: refused before anything is written
         record_resume(args.run_dir, step, CHECKPOINT, changes)
     where = (contextlib.nullcontext(Path(args.run_dir)) if args.resume else
-             new_run(args.run_dir or f"runs/q/{method.name}-{cfg.task}-s{cfg.seed}", overwrite=args.overwrite,
+             new_run(args.run_dir or _default_run_dir(method, cfg), overwrite=args.overwrite,
                      inputs=vars(args), record=run_record(cfg, method)))
     with where as run_dir:
         console.print(f"q method: {method.name} = target_mode {method.target_mode}; period {method.period}; "
