@@ -319,13 +319,14 @@ def nested_runs(run: Path) -> list[str]:
     return sorted(found)
 
 
-# What a run (train or a family's) writes in its directory; figures are any .png, an interrupted write leaves .tmp.
+# What a run (train or a family's) writes in its directory, figures included (a user's own figure is not one); an
+# interrupted write leaves .tmp.
 RUN_OUTPUTS = frozenset({CONFIG, HISTORY, "metrics.jsonl", "samples.jsonl", "summary.json", "errors.log", "tb",
-                         "checkpoints", "checkpoint.pt", "checkpoint.pkl"})
+                         "checkpoints", "checkpoint.pt", "checkpoint.pkl", "curves.png", "samples.png"})
 
 
 def _run_output(name: str) -> bool:
-    return name in RUN_OUTPUTS or name.endswith(".png") or (name.endswith(".tmp") and name[:-4] in RUN_OUTPUTS)
+    return name in RUN_OUTPUTS or (name.endswith(".tmp") and name[:-4] in RUN_OUTPUTS)
 
 
 def replaceable(run_dir: str | Path, *, inputs: dict[str, Any] | None = None) -> bool:

@@ -343,8 +343,9 @@ def test_overwrite_keeps_files_no_run_writes(run, tiny_model, capsys):
     """A user's notes or analysis folder inside a run directory were deleted with the run by --overwrite."""
     (run / "notes.txt").write_text("keep me")
     (run / "analysis").mkdir()
+    (run / "my_plot.png").write_bytes(b"a figure the user drew")  # any .png counted as the run's own before
     code, err = _cli([*_small(tiny_model, run), "--steps", "1", "--overwrite"], capsys)
-    assert code == 2 and "holds a polyrl run and 2 entries no run writes (analysis, notes.txt)" in err, err
+    assert code == 2 and "holds a polyrl run and 3 entries no run writes (analysis, my_plot.png, notes.txt)" in err, err
     assert (run / "notes.txt").read_text() == "keep me" and (run / "metrics.jsonl").exists()
 
 
