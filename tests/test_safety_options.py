@@ -200,27 +200,30 @@ def test_prepare_out_with_overwrite_sets_the_old_results_aside(tmp_path):
     """--overwrite hides the finished run's results.json, report.html and figures (the folder holds no finished run
     while the new one runs); settle_out puts them back unless a new results.json was written, then deletes them, so
     a figure the new run did not draw (bias-probe's lm_curves.png after a rerun with --seeds 0) is not left behind."""
-    for name in ("results.json", "report.html", "curves.png", "lm_curves.png", "notes.txt"):
+    for name in ("results.json", "report.html", "curves.png", "lm_curves.png", "notes.txt", "mine.png"):
         (tmp_path / name).write_text("old")
+    (tmp_path / "models" / "seed0").mkdir(parents=True)  # probe --keep-models: the old run's models went stale
+    outputs = ("curves.png", "lm_curves.png", "models")
     args = argparse.Namespace(out=str(tmp_path / "."), overwrite=True)
-    assert prepare_out(args).is_dir()
+    assert prepare_out(args, outputs).is_dir()
     assert sorted(p.name for p in tmp_path.iterdir()) == [".curves.png.replaced", ".lm_curves.png.replaced",
-                                                          ".report.html.replaced", ".results.json.replaced",
-                                                          "notes.txt"]
+                                                          ".models.replaced", ".report.html.replaced",
+                                                          ".results.json.replaced", "mine.png", "notes.txt"]
     assert settle_out(tmp_path) is True  # the run stopped before its results: the old ones are back
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["curves.png", "lm_curves.png", "notes.txt", "report.html",
-                                                          "results.json"]
-    prepare_out(args)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["curves.png", "lm_curves.png", "mine.png", "models",
+                                                          "notes.txt", "report.html", "results.json"]
+    prepare_out(args, outputs)
     (tmp_path / "results.json").write_text("new")
     (tmp_path / "curves.png").write_text("new")
     assert settle_out(tmp_path) is False
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["curves.png", "notes.txt", "results.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["curves.png", "mine.png", "notes.txt", "results.json"]
     assert (tmp_path / "results.json").read_text() == "new" and (tmp_path / "curves.png").read_text() == "new"
+    assert (tmp_path / "mine.png").read_text() == "old"  # a figure of the user's: every *.png was deleted before
     new = argparse.Namespace(out=str(tmp_path / "a" / "b"), overwrite=False)
-    assert prepare_out(new).is_dir()
+    assert prepare_out(new, outputs).is_dir()
     (tmp_path / "file").write_text("x")
     with pytest.raises(ConfigError, match="^--out = .*file.*: must be a directory"):
-        prepare_out(argparse.Namespace(out=str(tmp_path / "file"), overwrite=True))
+        prepare_out(argparse.Namespace(out=str(tmp_path / "file"), overwrite=True), outputs)
 
 
 def test_overwrite_keeps_the_old_results_until_the_new_ones_exist(tmp_path, capsys, monkeypatch):
@@ -310,7 +313,7 @@ def test_a_stop_between_the_two_set_asides_loses_nothing(tmp_path, monkeypatch):
 
     monkeypatch.setattr(Path, "replace", stop_after_one)
     with pytest.raises(KeyboardInterrupt):
-        prepare_out(argparse.Namespace(out=str(tmp_path), overwrite=True))
+        prepare_out(argparse.Namespace(out=str(tmp_path), overwrite=True), ())
     monkeypatch.undo()
     assert calls == ["results.json"]
     settle_out(tmp_path)
@@ -341,3 +344,26 @@ def test_list_values_the_report_cannot_tell_apart_are_refused(tools, tool, argv,
         _validate(tool, _parse(tools, tool, argv))
     _validate(tool, _parse(tools, tool, [argv[0], argv[1].replace("1.0000001", "1.01").replace("4,2,4", "4,2")
                                          .replace("1,1,4", "1,4")]))
+
+
+@pytest.mark.parametrize("tool", list(TOOLS))
+def test_overwrite_sets_aside_what_the_tool_wrote_and_nothing_of_the_users(tool, tmp_path):
+    """--overwrite deleted every *.png in --out (a user's own figure too) and left probe's old saved models beside the
+    new results; it now sets aside exactly the tool's declared outputs, and a tiny run writes nothing else."""
+    import importlib
+    import sys
+
+    from polyrl.cli import main
+
+    module = importlib.import_module(f"polyrl.safety.{TOOLS[tool][0]}")
+    outputs = sys.modules[module.add_parser.__module__].OUTPUTS
+    argv = ["safety", tool, *TINY[tool], "--out", str(tmp_path)]
+    assert main([*argv, *(["--keep-models"] if tool == "probe" else [])]) == 0
+    written = {p.name for p in tmp_path.iterdir()}
+    assert written - {"results.json", "report.html"} <= set(outputs), written
+    (tmp_path / "mine.png").write_text("the user's")
+    if tool == "probe":
+        (tmp_path / "models" / "seed7").mkdir()  # a seed an earlier, larger run kept
+    assert main([*argv, "--overwrite"]) == 0  # probe without --keep-models this time: no models folder
+    assert (tmp_path / "mine.png").read_text() == "the user's"
+    assert not list(tmp_path.glob(".*")) and not (tmp_path / "models").exists()

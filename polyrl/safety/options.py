@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn
@@ -84,15 +85,16 @@ def number_list(text: str, option: str, allowed: str, ok: Callable[[float], bool
     return values
 
 
-def prepare_out(args: argparse.Namespace) -> Path:
+def prepare_out(args: argparse.Namespace, outputs: tuple[str, ...]) -> Path:
     """Create ``--out``, refusing one that holds a finished run (``results.json``) unless ``--overwrite``.
 
     Called after the options are checked and before any work, so a refused rerun changes nothing on disk. With
-    ``--overwrite`` the old results.json, report.html and figures (``*.png``) are set aside as hidden files in
-    ``--out``, so the folder visibly holds no finished run while the new one runs; ``settle_out`` deletes them
-    once the new results.json is written (a figure the new run does not draw is not left behind as if it were its
-    own) and puts them back when the command ends before that (a refusal, a failure, Ctrl-C, SIGTERM; after a
-    kill, the next command on that ``--out``).
+    ``--overwrite`` the old results.json, report.html and the tool's other ``outputs`` (its figures, probe's saved
+    models) are set aside as hidden entries in ``--out``, so the folder visibly holds no finished run while the new
+    one runs; ``settle_out`` deletes them once the new results.json is written (a figure or model the new run does
+    not make is not left behind as if it were its own) and puts them back when the command ends before that (a
+    refusal, a failure, Ctrl-C, SIGTERM; after a kill, the next command on that ``--out``). Anything else in
+    ``--out`` (a user's own figure or notes) is left alone.
     """
     out = Path(args.out)
     if out.exists() and not out.is_dir():
@@ -105,8 +107,7 @@ def prepare_out(args: argparse.Namespace) -> Path:
         if not getattr(args, "overwrite", False):
             raise ConfigError(f"--out = '{out}' already holds {RESULTS} from an earlier run; pass --overwrite to "
                               "replace it or choose another --out")
-        figures = sorted(p.name for p in out.glob("*.png") if p.is_file())  # a figure the new run may not draw
-        for name in (RESULTS, REPORT, *figures):  # results.json first: while it is there, the run counts as finished
+        for name in (RESULTS, REPORT, *outputs):  # results.json first: while it is there, the run counts as finished
             if (out / name).exists():
                 (out / name).replace(_aside(out, name))
     try:
@@ -128,7 +129,9 @@ def settle_out(out: Path) -> bool:
         return False
     finished = (out / RESULTS).exists() and not (out / RESULTS).is_symlink()
     for name, path in aside:
-        if finished:
+        if finished and path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        elif finished:
             path.unlink()
         else:
             path.replace(out / name)

@@ -47,6 +47,9 @@ LM_DEFAULTS = {"pretrain_steps": 300, "label_noise": 0.1, "lm_steps": 80, "lm_gr
                "lm_kl": 0.001, "repair_steps": 100, "eval_every": 2}
 
 
+OUTPUTS = ("onset_vs_p0.png", "lm_curves.png")  # the figures, besides the report
+
+
 def add_parser(subparsers, name: str) -> None:
     """Register `polyrl safety bias-probe` and its options."""
     desc = ("One-shot bias (arXiv:2606.10931): closed-form onset time of the Bernoulli policy gradient vs ODE, the "
@@ -132,7 +135,7 @@ def command(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     _check(args)
-    prepare_out(args)
+    prepare_out(args, OUTPUTS)
     console = Console()
     t0 = time.perf_counter()
     paths = run_experiment(args, console=console)

@@ -26,6 +26,9 @@ CLAIM = ("Seed blog: GGRO 'beats best-of-16 at 11% of the compute'. Paper (arXiv
          "computational overhead'; the 11% figure is in no source found (spec §11c).")
 
 
+OUTPUTS = ("reward_vs_compute.png", "proxy_vs_true.png")  # the figures, besides the report
+
+
 def add_parser(subparsers, name: str = "ggro") -> None:
     """Register `polyrl safety ggro`."""
     desc = ("GGRO (gradient-guided reward optimisation at decoding time) vs best-of-N at matched counted compute "
@@ -298,7 +301,7 @@ def _figures(stats: dict, out: Path) -> dict[str, Path]:
 def run_command(args: argparse.Namespace) -> int:
     """Run the experiment and write report.html + results.json under ``--out``."""
     thresholds, refinements = _check(args)
-    out = prepare_out(args)
+    out = prepare_out(args, OUTPUTS)
     import torch
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn

@@ -61,6 +61,9 @@ def add_parser(subparsers, name: str = "probe") -> argparse.ArgumentParser:
     return p
 
 
+OUTPUTS = ("projections.png", "persistence.png", "steering.png", "sae.png", "models")  # besides the report
+
+
 def _experiment(args) -> Any:
     """The checked options as a ProbeExperiment; a bad one is refused in one line before anything runs."""
     from polyrl.safety.probe.experiment import ProbeExperiment
@@ -104,7 +107,7 @@ def run_command(args) -> int:
     from polyrl.safety.probe.experiment import run_seed
 
     exp = _experiment(args)
-    out = prepare_out(args)
+    out = prepare_out(args, OUTPUTS)
     torch.set_num_threads(args.threads)
     console = Console()
     work_root = out / "models" if args.keep_models else Path(tempfile.mkdtemp(prefix="polyrl-probe-"))

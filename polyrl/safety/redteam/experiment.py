@@ -44,6 +44,9 @@ CLAIM = ("AdvGRPO (arXiv:2606.09701, spec §10): attacker and defender co-traine
 GROUP_BYTES = 110 * 1024
 
 
+OUTPUTS = ("curves.png",)  # the figures, besides the report
+
+
 def _unit(spec: str) -> str:
     """The [0, 1] variant of a Likert judge of ``judges`` (unchanged for the others)."""
     return spec + "_unit" if spec in (J + "prompt_quality", J + "helpfulness") else spec
@@ -170,7 +173,7 @@ def command(args: argparse.Namespace) -> int:
     _check(args)
     att_specs, def_specs, att_w, def_w = _weights(args)
     variants = ["summed", "decoupled"] + (["summed-unit"] if args.control else [])
-    out = prepare_out(args)
+    out = prepare_out(args, OUTPUTS)
     torch.set_num_threads(args.threads)
     t0 = time.time()
     histories: dict[str, list[list[dict[str, Any]]]] = {v: [] for v in variants}

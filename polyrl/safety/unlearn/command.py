@@ -36,6 +36,9 @@ CLAIM = (
     "the behaviour approaches an oracle retrained on the retain set only. The paper's numbers were not retrieved.")
 
 
+OUTPUTS = ("curves.png", "conditions.png", "visitation.png", "sweep.png")  # the figures, besides the report
+
+
 def add_parser(subparsers, name: str = "unlearn") -> None:
     d = ExperimentConfig()
     p = subparsers.add_parser(name, help=HELP, description=DESCRIPTION)
@@ -268,7 +271,7 @@ def command(args: argparse.Namespace) -> int:
 
     cfg = config_from_args(args)
     check_forget_sets(cfg)  # every seed's, before --out is touched or any seed trains
-    out = prepare_out(args)
+    out = prepare_out(args, OUTPUTS)
     torch.set_num_threads(args.threads)
     console = Console()
     t0 = time.perf_counter()
