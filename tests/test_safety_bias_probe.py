@@ -142,3 +142,25 @@ def test_cli_rejects_bad_values_and_runs_end_to_end(tmp_path):
     assert len(res["lm_seeds"]) == 1 and len(res["lm_seeds"][0]["train_curve"]) == 4
     page = (out / "report.html").read_text()
     assert "Verdict" in page and "data:image/png;base64" in page and (out / "onset_vs_p0.png").exists()
+
+
+def test_the_spec_table_is_compared_only_at_its_settings_and_every_sweep_runs_to_max_steps(tmp_path, monkeypatch):
+    """--options 5 was judged against the spec's K = 3 medians ("NOT reproduced"); the KL sweep stopped at 2000 steps
+    whatever --max-steps said; censored cells were left out of "within x% of every measured median" unsaid."""
+    from polyrl.cli import main
+
+    caps = []
+    real = th.simulate_bandit_onsets
+    monkeypatch.setattr(th, "simulate_bandit_onsets", lambda *a, **k: caps.append(k["max_steps"]) or real(*a, **k))
+    out = tmp_path / "k5"
+    assert main(["safety", "bias-probe", "--seeds", "0", "--sim-seeds", "2", "--options", "5", "--max-steps", "30",
+                 "--out", str(out)]) == 0
+    res = json.loads((out / "results.json").read_text())
+    assert set(caps) == {30} and len(caps) == 16 + 8  # 8 p0 x 2 variants, then 4 kl x 2
+    assert res["checks"]["spec_cells"] == 0
+    assert all(r["spec_median"] is None for r in res["analytic"]["bandit"])
+    censored = sum(r["median"] is None for r in res["analytic"]["bandit"])
+    assert censored > 0  # p0 = 0.002 does not reach onset in 30 steps
+    page = (out / "report.html").read_text()
+    assert "not compared; its medians are for K = 3, G = 16, lr 0.5 and this run has K = 5, G = 16, lr 0.5" in page
+    assert "NOT reproduced" not in page and f"({censored} of 16 cells had no median onset within --max-steps 30)" in page

@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 
+from polyrl.safety.bias_probe.command import SPEC_BANDIT
 from polyrl.safety.report import table_html, write_report
 
 CLAIM = ("arXiv:2606.10931 (spec §4): GRPO on ONE example whose gold label is flipped, trained for many steps, "
@@ -28,7 +29,7 @@ def _stat(s) -> str:
     return f"{s['mean']:.3f} [{s['ci90'][0]:.3f}, {s['ci90'][1]:.3f}]"
 
 
-def plot_onsets(analytic: dict, path: Path, lr: float) -> Path:
+def plot_onsets(analytic: dict, path: Path, lr: float, options: int) -> Path:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -57,7 +58,7 @@ def plot_onsets(analytic: dict, path: Path, lr: float) -> Path:
     ax.set_yscale("log")
     ax.set_xlabel("initial probability p0 of the target answer")
     ax.set_ylabel("onset step (first step with P >= 0.5)")
-    ax.set_title("3-option GRPO bandit: onset vs p0")
+    ax.set_title(f"{options}-option GRPO bandit: onset vs p0")
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -104,14 +105,16 @@ def _m(row) -> float:
     return np.inf if row["median"] is None else row["median"]
 
 
-def verdict(results: dict) -> tuple[str, dict[str, Any]]:
+def verdict(results: dict, args) -> tuple[str, dict[str, Any]]:
     """Plain-text verdict from the measured numbers, and the booleans it rests on."""
     a = results["analytic"]
     max_rel = max(r["rel_err"] for r in a["closed_form_check"])
-    spec_rows = [r for r in a["bandit"] if r["spec_median"] is not None]
+    spec_rows = [r for r in a["bandit"] if r["spec_median"] is not None]  # none unless the spec's K, G and lr ran
     in_ci = sum(r["spec_in_range20"] for r in spec_rows)
     n_sim = len(a["bandit"][0]["onsets"])
-    max_dev = max(abs(r["rel_diff_vs_spec"]) if r["rel_diff_vs_spec"] is not None else np.inf for r in spec_rows)
+    max_dev = max([abs(r["rel_diff_vs_spec"]) if r["rel_diff_vs_spec"] is not None else np.inf for r in spec_rows]
+                  or [np.inf])
+    censored = sum(1 for r in a["bandit"] if not np.isfinite(_m(r)))
     mono = all(
         all(_m(x) >= _m(y)
             for x, y in zip(sorted(rows, key=lambda r: r["p0"]), sorted(rows, key=lambda r: r["p0"])[1:]))
@@ -130,23 +133,32 @@ def verdict(results: dict) -> tuple[str, dict[str, Any]]:
               "max_rel_dev_vs_spec": float(max_dev) if np.isfinite(max_dev) else None,
               "onset_decreasing_in_p0": bool(mono), "onset_nondecreasing_in_kl": bool(kl_mono),
               "max_rel_dev_finite_group_flow": float(fg_dev) if np.isfinite(fg_dev) else None}
+    unreached = (f" that reached onset ({censored} of {len(a['bandit'])} cells had no median onset within --max-steps "
+                 f"{args.max_steps})" if censored else "")
+    if spec_rows:
+        spec_part = (f"Bandit vs the spec's table ({n_sim} seeds per cell): the spec's 20-seed median lies inside the "
+                     f"90% range of a 20-seed median drawn from our onsets in {in_ci}/{len(spec_rows)} cells; largest "
+                     f"relative difference of our median from the spec's {max_dev:.0%} ({{word}}).")
+    else:
+        spec = SPEC_BANDIT
+        spec_part = (f"Bandit vs the spec's table: not compared; its medians are for K = {spec['options']}, G = "
+                     f"{spec['group']}, lr {spec['sim_lr']:g} and this run has K = {args.options}, G = {args.group}, "
+                     f"lr {args.sim_lr:g}.")
     word = ("reproduced" if in_ci == len(spec_rows) else
             f"reproduced within 10%, though {len(spec_rows) - in_ci} cell(s) fall outside the 20-seed range"
             if max_dev <= 0.10 else "NOT reproduced")
     parts = [
         f"Closed form vs ODE: max relative error {max_rel:.1e} over both variants and 4 p0 "
         f"({'within' if max_rel < 1e-6 else 'NOT within'} 1e-6).",
-        f"Bandit vs the spec's table ({n_sim} seeds per cell): the spec's 20-seed median lies inside the 90% range "
-        f"of a 20-seed median drawn from our onsets in {in_ci}/{len(spec_rows)} cells; largest relative difference "
-        f"of our median from the spec's {max_dev:.0%} "
-        f"({word}).",
+        spec_part.format(word=word),
         f"Median onset {'decreases' if mono else 'does NOT decrease'} monotonically as p0 rises (both variants); "
         f"a larger KL coefficient {'delays (never speeds up)' if kl_mono else 'does NOT consistently delay'} "
         "onset at p0 = 0.05.",
         f"Closed form (G = inf) vs measured median at p0 = {lo_p:g}: {cf_std:.1f} vs {med_std:.4g} steps with std "
         f"normalisation, {cf_no:.1f} vs {med_no:.4g} without; the finite-group expected-drift flow (rounded up to "
-        f"whole steps) is within {fg_dev:.0%} of every measured median (groups with no success give no step, "
-        "so small p0 waits for a first success, which the G = inf flow ignores).",
+        f"whole steps) is within {fg_dev:.0%} of every measured median{unreached} "
+        "(groups with no success give no step, so small p0 waits for a first success, which the G = inf flow "
+        "ignores).",
     ]
     lm = results.get("lm")
     if lm:
@@ -188,11 +200,11 @@ def verdict(results: dict) -> tuple[str, dict[str, Any]]:
 def write(out: Path, results: dict, args) -> dict[str, Path]:
     a = results["analytic"]
     figures = {"Onset step vs p0: measured (bandit), closed form, finite-group flow, spec table":
-               plot_onsets(a, out / "onset_vs_p0.png", args.sim_lr)}
+               plot_onsets(a, out / "onset_vs_p0.png", args.sim_lr, args.options)}
     if results["lm_seeds"]:
         figures["Tiny LM: one-shot GRPO on the flipped example, then repair"] = plot_lm(
             results["lm_seeds"], out / "lm_curves.png", args.lm_steps)
-    text, checks = verdict(results)
+    text, checks = verdict(results, args)
     results["checks"] = checks
     tables = {
         "Closed form vs ODE (onset time in steps, eta = lr, b = K/(K-1))": table_html(
