@@ -340,3 +340,64 @@ def test_answers_are_unknown_where_a_number_overflowed():
     got = answers(s)
     assert got["steering_restores"] is None and got["variance_compressed"] is None
     assert got["amplification_restores"] is True and got["direction_survives"] is True
+
+
+def test_neutral_and_restored_are_unknown_when_the_base_model_never_depended_on_the_attribute():
+    """A base model that never learned the style (dependence ~0 before and after an RL run that changed nothing) was
+    reported "Behaviour made neutral: yes" and steering at "4.680 of the base value", a ratio of two near-zero
+    numbers."""
+    from polyrl.safety.probe.command import BASE_DEPENDENCE, answers
+
+    keys = ("probe_acc_tuned", "cosine", "proj_std_ratio", "selective_ratio", "dependence_tuned", "dependence_steered",
+            "dependence_amplified", "sae_attr_rate_tuned")
+    s = {k: {"lo": 0.0, "hi": 0.01, "mean": 0.005, "n": 3} for k in keys}
+    s["dependence_base"] = {"lo": -0.001, "hi": 0.001, "mean": 0.0, "n": 3}
+    got = answers(s)
+    assert got["base_depends"] is False and got["behaviour_neutral"] is None
+    assert got["steering_restores"] is None and got["amplification_restores"] is None
+    assert got["variance_compressed"] is True  # the representation questions do not need a behaviour
+    s["dependence_base"] = {"lo": BASE_DEPENDENCE, "hi": 0.5, "mean": 0.3, "n": 3}
+    got = answers(s)
+    assert got["base_depends"] is True and got["behaviour_neutral"] is True and got["steering_restores"] is False
+
+
+def test_activations_and_style_probabilities_are_read_in_slices_of_prompts(tiny, monkeypatch):
+    """One forward over every evaluation prompt: --eval-prompts 10^6 needed ~47 GB. Slices of ROWS prompts give the
+    same numbers."""
+    import polyrl.safety.probe.experiment as experiment
+    import polyrl.safety.probe.hooks as hooks
+
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(1, 30, (7, 6), generator=g)
+    mask = torch.ones_like(ids)
+    mask[2, 4:] = mask[5, 3:] = 0
+    labels = torch.tensor([0, 1, 0, 1, 1, 0, 1])
+    tok = type("Tok", (), {"convert_tokens_to_ids": staticmethod(lambda c: {"a": 3, "b": 4, "n": 5}[c])})()
+    monkeypatch.setattr(experiment, "STYLE", {0: "a", 1: "b"})
+    monkeypatch.setattr(experiment, "NEUTRAL", "n")
+    whole = residual_activations(tiny, ids, mask), experiment.style_probs(tiny, tok, ids, mask, labels)
+    monkeypatch.setattr(hooks, "ROWS", 3)
+    monkeypatch.setattr(experiment, "ROWS", 3)
+    sliced = residual_activations(tiny, ids, mask), experiment.style_probs(tiny, tok, ids, mask, labels)
+    assert torch.allclose(whole[0], sliced[0], atol=1e-6)
+    assert all(abs(whole[1][k] - sliced[1][k]) < 1e-6 for k in whole[1])
+
+
+def test_a_diverged_rl_run_stops_in_one_line(tmp_path, capsys, monkeypatch):
+    """--rl-lr 100 blew the tuned activations up to ~1e13 and the logistic probe's "found no direction" ValueError
+    came out as a traceback after all the training."""
+    from polyrl.cli import main
+    from polyrl.safety.probe.directions import direction_persistence
+
+    def no_direction(*a, method="diffmean"):
+        if method == "logreg":
+            raise ValueError("logistic probe found no direction (all weights zero)")
+        return direction_persistence(*a, method=method)
+
+    monkeypatch.setattr("polyrl.safety.probe.experiment.direction_persistence", no_direction)
+    code = main(["safety", "probe", "--seeds", "1", "--hidden", "16", "--layers", "2", "--sup-steps", "2",
+                 "--rl-steps", "1", "--eval-prompts", "16", "--sae-features", "4", "--alphas", "0,4",
+                 "--out", str(tmp_path / "p")])
+    err = capsys.readouterr().err
+    assert code == 1 and err.startswith("polyrl: training stopped: seed 0: the RL-tuned model's activations at block")
+    assert "RL tuning diverged; lower --rl-lr (now " in err and not (tmp_path / "p").exists()

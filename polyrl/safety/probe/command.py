@@ -61,6 +61,7 @@ def add_parser(subparsers, name: str = "probe") -> argparse.ArgumentParser:
     return p
 
 
+BASE_DEPENDENCE = 0.1  # the base model's attribute dependence (interval low end) that neutral/restored need
 OUTPUTS = ("projections.png", "persistence.png", "steering.png", "sae.png", "models")  # besides the report
 
 
@@ -167,7 +168,7 @@ def summarise(exp, seeds: list[dict[str, Any]]) -> dict[str, Any]:
     s["amplify_factor"] = _agg(r["steering"]["amplify_factor"] for r in seeds)
     s["neutral_steered"] = _agg(r["steering"]["tuned"][k]["neutral"] for r in seeds)
     s["restored_fraction"] = _agg(r["steering"]["tuned"][k]["dependence"] / r["behaviour"]["base"]["dependence"]
-                                  for r in seeds)
+                                  for r in seeds if r["behaviour"]["base"]["dependence"] >= BASE_DEPENDENCE)
     s["sae_attribute_features"] = _agg(r["sae"]["n_attribute_features"] for r in seeds)
     s["sae_attr_rate_base"] = _agg(np.mean(r["sae"]["attr_rate_base"]) for r in seeds if r["sae"]["attr_rate_base"])
     s["sae_attr_rate_tuned"] = _agg(np.mean(r["sae"]["attr_rate_tuned"]) for r in seeds
@@ -185,7 +186,9 @@ def answers(s: dict[str, Any]) -> dict[str, bool | None]:
     survives: tuned probe accuracy interval >= 0.9 and cosine interval >= 0.5; compressed: std-ratio interval
     below 1 (selectively: the std ratio over the orthogonal one); neutral: tuned dependence interval below 0.1;
     restored (steering, amplification): dependence interval above half the base dependence; silent: attribute
-    SAE features' tuned firing-rate interval below 0.05.
+    SAE features' tuned firing-rate interval below 0.05. Neutral and restored are unknown (None) unless the base
+    model's dependence interval lies at or above ``BASE_DEPENDENCE`` (a base that never learned the style has
+    nothing to neutralise or restore).
     """
     def lo(key):
         return s[key]["lo"]
@@ -196,14 +199,19 @@ def answers(s: dict[str, Any]) -> dict[str, bool | None]:
     def known(test, *values):  # None (unknown) when a number is missing: a run whose values overflowed (nan)
         return None if any(v is None or v != v for v in values) else bool(test(*values))
 
+    def behaviour(answer):  # "made neutral" and "restored" mean nothing unless the base model depends on the attribute
+        return answer if base_depends else None
+
     base_dep = s["dependence_base"]["mean"]
+    base_depends = known(lambda b: b >= BASE_DEPENDENCE, lo("dependence_base"))
     return {
         "direction_survives": known(lambda a, c: a >= 0.9 and c >= 0.5, lo("probe_acc_tuned"), lo("cosine")),
         "variance_compressed": known(lambda h: h < 1.0, hi("proj_std_ratio")),
         "selectively_compressed": known(lambda h: h < 1.0, hi("selective_ratio")),
-        "behaviour_neutral": known(lambda h: h < 0.1, hi("dependence_tuned")),
-        "steering_restores": known(lambda d, b: d > 0.5 * b, lo("dependence_steered"), base_dep),
-        "amplification_restores": known(lambda d, b: d > 0.5 * b, lo("dependence_amplified"), base_dep),
+        "base_depends": base_depends,
+        "behaviour_neutral": behaviour(known(lambda h: h < 0.1, hi("dependence_tuned"))),
+        "steering_restores": behaviour(known(lambda d, b: d > 0.5 * b, lo("dependence_steered"), base_dep)),
+        "amplification_restores": behaviour(known(lambda d, b: d > 0.5 * b, lo("dependence_amplified"), base_dep)),
         "sae_features_silent": None if s["sae_attr_rate_tuned"]["n"] == 0 else
         known(lambda h: h < 0.05, hi("sae_attr_rate_tuned")),
     }
@@ -211,6 +219,9 @@ def answers(s: dict[str, Any]) -> dict[str, bool | None]:
 
 def verdict_text(s: dict[str, Any], a: dict[str, bool | None], exp) -> str:
     yes = {True: "yes", False: "no", None: "not measurable"}
+    no_base = "" if a["base_depends"] else (
+        f"The base model does not measurably depend on the attribute (dependence {_fmt(s['dependence_base'])}, not "
+        f"at or above {BASE_DEPENDENCE:g}): whether RL made it neutral or steering restores it is not measurable. ")
     return (
         f"Over {exp.seeds} seeds (mean [90% bootstrap interval]), at block {exp.steer_layer}: the attribute "
         f"direction survives RL tuning: {yes[a['direction_survives']]} (cosine base/tuned diff-of-means "
@@ -219,13 +230,13 @@ def verdict_text(s: dict[str, Any], a: dict[str, bool | None], exp) -> str:
         f"ratio {_fmt(s['proj_std_ratio'])} vs the paper's ~0.30; range ratio {_fmt(s['proj_range_ratio'])} vs "
         f"~0.23; the spread orthogonal to the direction has ratio {_fmt(s['orth_std_ratio'])}; the "
         f"direction compressed more than the rest of the stream: {yes[a['selectively_compressed']]}, ratio "
-        f"{_fmt(s['selective_ratio'])}). Behaviour made neutral: {yes[a['behaviour_neutral']]} (attribute dependence "
-        f"{_fmt(s['dependence_base'])} -> {_fmt(s['dependence_tuned'])}). Steering the tuned model along the base "
-        f"direction at {exp.headline_alpha:g} half-gaps restores it: {yes[a['steering_restores']]} (dependence "
-        f"{_fmt(s['dependence_steered'])}, {_fmt(s['restored_fraction'])} of the base value; a random direction "
-        f"gives {_fmt(s['dependence_steered_random'])}; this sign is supplied from the known attribute). Label-free "
-        f"amplification of the tuned model's own attribute signal (x{_fmt(s['amplify_factor'])} to the base "
-        f"class gap) restores it: {yes[a['amplification_restores']]} (dependence "
+        f"{_fmt(s['selective_ratio'])}). {no_base}Behaviour made neutral: {yes[a['behaviour_neutral']]} (attribute "
+        f"dependence {_fmt(s['dependence_base'])} -> {_fmt(s['dependence_tuned'])}). Steering the tuned model along "
+        f"the base direction at {exp.headline_alpha:g} half-gaps restores it: {yes[a['steering_restores']]} "
+        f"(dependence {_fmt(s['dependence_steered'])}, {_fmt(s['restored_fraction'])} of the base value; a random "
+        f"direction gives {_fmt(s['dependence_steered_random'])}; this sign is supplied from the known attribute). "
+        f"Label-free amplification of the tuned model's own attribute signal (x{_fmt(s['amplify_factor'])} to the "
+        f"base class gap) restores it: {yes[a['amplification_restores']]} (dependence "
         f"{_fmt(s['dependence_amplified'])}). Attribute SAE features silent after tuning: "
         f"{yes[a['sae_features_silent']]} (firing rate {_fmt(s['sae_attr_rate_base'])} -> "
         f"{_fmt(s['sae_attr_rate_tuned'])}; base SAE explains {_fmt(s['sae_fve_tuned'])} of the tuned "
@@ -282,8 +293,8 @@ def write(out: Path, exp, seeds: list[dict[str, Any]], *, wall: float) -> dict[s
         "Verdict thresholds are ours: tuned probe acc >= 0.9 and cosine >= 0.5 (interval lower ends); std ratio "
         "interval below 1; tuned dependence below 0.1; steered dependence above half the base one; attribute "
         "features' tuned firing rate below 0.05; amplified dependence above half the base one.",
-        "Scale: a 3-block, width-64 character Llama and 40 GRPO steps, not an 8B model and RLHF; the paper's "
-        "numbers are from secondary summaries.",
+        f"Scale: a {exp.layers}-block, width-{exp.hidden} character Llama and {exp.rl_steps} GRPO steps, not an "
+        "8B model and RLHF; the paper's numbers are from secondary summaries.",
         f"Wall time {wall:.0f} s for {exp.seeds} seeds.",
     ]
     results = {"claim": CLAIM, "answers": a, "summary": s, "settings": asdict(exp), "wall_seconds": wall,

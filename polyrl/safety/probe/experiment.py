@@ -32,8 +32,9 @@ from typing import Any
 
 import torch
 
+from polyrl.errors import TrainingError
 from polyrl.safety.probe.directions import direction_persistence, fit_probe, projection_stats
-from polyrl.safety.probe.hooks import amplify, residual_activations, steer
+from polyrl.safety.probe.hooks import ROWS, amplify, residual_activations, steer
 from polyrl.safety.probe.sae import feature_activation_rates, fraction_variance_explained, train_sae
 from polyrl.safety.probe.task import NEUTRAL, STYLE, NeutralStyleTask, attribute_of
 
@@ -117,9 +118,11 @@ def _encode(tokenizer, prompts) -> tuple[torch.Tensor, torch.Tensor]:
 @torch.no_grad()
 def style_probs(model, tokenizer, ids, mask, labels) -> dict[str, float]:
     """Mean first-token probabilities: own style, other style, neutral; ``dependence = own - other``."""
-    logits = model(input_ids=ids, attention_mask=mask).logits
-    last = mask.long().sum(1) - 1
-    p = logits[torch.arange(ids.shape[0]), last].float().softmax(-1)
+    last, parts = mask.long().sum(1) - 1, []
+    for i in range(0, ids.shape[0], ROWS):  # a forward's memory grows with its rows
+        logits = model(input_ids=ids[i:i + ROWS], attention_mask=mask[i:i + ROWS]).logits
+        parts.append(logits[torch.arange(logits.shape[0]), last[i:i + ROWS]].float().softmax(-1))
+    p = torch.cat(parts)
     tid = {c: tokenizer.convert_tokens_to_ids(c) for c in (*STYLE.values(), NEUTRAL)}
     own = torch.where(labels == 1, p[:, tid[STYLE[1]]], p[:, tid[STYLE[0]]])
     other = torch.where(labels == 1, p[:, tid[STYLE[0]]], p[:, tid[STYLE[1]]])
@@ -174,7 +177,13 @@ def run_seed(exp: ProbeExperiment, seed: int, work: Path, tick: Callable[[str], 
     acts_t = residual_activations(tuned, ids, mask)
     per_layer = [direction_persistence(acts_b[i], acts_t[i], labels) for i in range(exp.layers)]
     L = exp.steer_layer
-    logreg = direction_persistence(acts_b[L], acts_t[L], labels, method="logreg")
+    try:
+        logreg = direction_persistence(acts_b[L], acts_t[L], labels, method="logreg")
+    except ValueError as e:  # L-BFGS finds no weights on activations blown up by a diverged RL run
+        raise TrainingError(f"seed {seed}: the RL-tuned model's activations at block {L} (mean norm "
+                            f"{float(acts_t[L].norm(dim=1).mean()):.3g}, the base model's "
+                            f"{float(acts_b[L].norm(dim=1).mean()):.3g}) leave no direction to probe ({e}): RL "
+                            f"tuning diverged; lower --rl-lr (now {exp.rl_lr:g})") from None
     probe = fit_probe(acts_b[L], labels)
     stats_b = projection_stats(acts_b[L], probe.w, labels)
     half_gap = stats_b["gap"] / 2

@@ -100,6 +100,9 @@ def amplify(model: nn.Module, layer: int, direction: torch.Tensor, factor: float
         yield
 
 
+ROWS = 1024  # prompts per forward when reading activations: one forward over 10^6 prompts needed ~47 GB
+
+
 @torch.no_grad()
 def residual_activations(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                          layers: Sequence[int] | None = None) -> torch.Tensor:
@@ -111,8 +114,6 @@ def residual_activations(model: nn.Module, input_ids: torch.Tensor, attention_ma
     blocks = decoder_layers(model)
     layers = list(range(len(blocks))) if layers is None else list(layers)
     mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
-    last = mask.long().sum(1) - 1
-    rows = torch.arange(input_ids.shape[0])
     seen: dict[int, torch.Tensor] = {}
 
     def make(i: int):
@@ -121,9 +122,14 @@ def residual_activations(model: nn.Module, input_ids: torch.Tensor, attention_ma
         return hook
 
     handles = [blocks[i].register_forward_hook(make(i)) for i in layers]
+    parts = []
     try:
-        model(input_ids=input_ids, attention_mask=mask)
+        for start in range(0, input_ids.shape[0], ROWS):  # a forward's memory grows with its rows
+            ids, part_mask = input_ids[start:start + ROWS], mask[start:start + ROWS]
+            rows, last = torch.arange(ids.shape[0]), part_mask.long().sum(1) - 1  # read by the hooks
+            model(input_ids=ids, attention_mask=part_mask)
+            parts.append(torch.stack([seen[i] for i in layers]))
     finally:
         for h in handles:
             h.remove()
-    return torch.stack([seen[i] for i in layers])
+    return torch.cat(parts, dim=1)
