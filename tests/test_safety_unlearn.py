@@ -276,3 +276,20 @@ def test_command_writes_report_and_results(tmp_path):
     assert len(res["per_seed"]) == 2 and res["summary"]["compute_fraction"] == pytest.approx(0.5)
     page = (tmp_path / "report.html").read_text()
     assert "data:image/png;base64" in page and "Verdict" in page
+
+
+def test_retraining_is_compared_at_exactly_the_unlearning_budget(tmp_path):
+    """--unlearn-steps 5 with evaluations every 10 steps compared unlearning with retraining "for the same 0 gradient
+    steps" (the grid's last point below 5); --unlearn-steps above --steps still said "the same"."""
+    for unlearn, said in ((5, "retraining from scratch for the same 5 gradient steps"),
+                          (30, "retraining from scratch for all its 20 gradient steps (fewer than unlearning's 30)")):
+        out = tmp_path / str(unlearn)
+        args = _parse(["--seeds", "1", "--steps", "20", "--unlearn-steps", str(unlearn), "--sweep", "",
+                       "--episodes", "20", "--out", str(out)])
+        assert args.fn(args) == 0
+        res = json.loads((out / "results.json").read_text())
+        assert res["summary"]["retrained_at_unlearn_budget"]["step"] == min(unlearn, 20)
+        retrained = res["per_seed"][0]["curves"]["retrained"]
+        i = retrained["step"].index(min(unlearn, 20))
+        assert res["summary"]["retrained_at_unlearn_budget"]["cost"]["mean"] == pytest.approx(retrained["cost"][i])
+        assert said in (out / "report.html").read_text().replace("&#x27;", "'")

@@ -195,7 +195,7 @@ def bellman_errors(agent: SafeAgent, buf: OfflineBuffer) -> dict[str, float]:
 def _run(agent: SafeAgent, retain: OfflineBuffer, steps: int, rng: np.random.Generator, *,
          forget: OfflineBuffer | None = None, lam_forget: float = 0.0, margin: float = 0.0,
          terms: tuple[str, ...] = ("reward", "cost"), callback: Callable[[int, SafeAgent], None] | None = None,
-         every: int = 25) -> dict[str, list]:
+         every: int = 25, also_at: tuple[int, ...] = ()) -> dict[str, list]:
     cfg = agent.cfg
     opt_r = torch.optim.Adam(agent.q_r.parameters(), lr=cfg.lr_critic, foreach=True)
     opt_c = torch.optim.Adam(agent.q_c.parameters(), lr=cfg.lr_critic, foreach=True)
@@ -239,7 +239,7 @@ def _run(agent: SafeAgent, retain: OfflineBuffer, steps: int, rng: np.random.Gen
                 torch._foreach_lerp_(list(targ.parameters()), list(net.parameters()), cfg.tau)
         j_c = agent.cost_estimate()
         agent.lam = lagrange_update(agent.lam, j_c, cfg.cost_limit, cfg.lam_lr, cfg.lam_max)
-        if step % every == 0 or step == steps:
+        if step % every == 0 or step == steps or step in also_at:
             log["step"].append(step)
             log["lam"].append(agent.lam)
             log["loss_r"].append(l_r.item())

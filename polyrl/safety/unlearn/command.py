@@ -109,7 +109,7 @@ def _fmt(ci: dict | None, unit: str = "", digits: int = 1) -> str:
     return f"{ci['mean']:.{digits}f}{unit} [{ci['lo']:.{digits}f}, {ci['hi']:.{digits}f}]"
 
 
-def _compute_sentence(summary: dict, t: dict, cost_limit: float) -> str:
+def _compute_sentence(summary: dict, t: dict, cost_limit: float, unlearn_steps: int) -> str:
     m, s = summary["retrained_at_unlearn_budget"], summary["steps_to_safe"]
     rc, uc = m["cost"], t["unlearned"]["cost"]
     r_safe, u_safe = m["disc_cost"]["mean"] <= cost_limit, t["unlearned"]["disc_cost"]["mean"] <= cost_limit
@@ -129,7 +129,9 @@ def _compute_sentence(summary: dict, t: dict, cost_limit: float) -> str:
         v = s[name]
         return "never" if v["mean"] is None else f"{_fmt(v, digits=0)} ({v['seeds_reached']} seeds)"
 
-    return (f"Compute: retraining from scratch for the same {m['step']} gradient steps reaches "
+    budget = (f"the same {m['step']} gradient steps" if m["step"] == unlearn_steps else
+              f"all its {m['step']} gradient steps (fewer than unlearning's {unlearn_steps})")
+    return (f"Compute: retraining from scratch for {budget} reaches "
             f"{_fmt(rc, digits=3)} hazard entries and return {_fmt(m['return'], digits=3)} (unlearned: "
             f"{_fmt(uc, digits=3)}, return {_fmt(t['unlearned']['return'], digits=3)}): {judged}. Gradient steps "
             f"until the agent is first safe (discounted cost <= limit) and successful (>= 95%) for 5 evaluations "
@@ -163,7 +165,7 @@ def verdict_text(summary: dict, cfg: ExperimentConfig) -> str:
         + "; policy distance (visit-weighted TV) to the retrained oracle: poisoned "
         f"{_fmt(t['poisoned']['tv_to_retrained'], digits=3)}, unlearned "
         f"{_fmt(t['unlearned']['tv_to_retrained'], digits=3)}.",
-        _compute_sentence(summary, t, cfg.cost_limit),
+        _compute_sentence(summary, t, cfg.cost_limit, cfg.unlearn_steps),
         f"Ablation: plain fine-tuning on the retain set for the same steps (lam_f=0) removes "
         f"{_fmt(f['shortcut_removed_pct'], '%')} (return loss vs retrained "
         f"{_fmt(f['return_loss_vs_retrained_pct'], '%')}); "

@@ -110,7 +110,8 @@ def run_seed(seed: int, cfg: ExperimentConfig, advance=lambda n: None) -> dict:
         agents[name] = SafeAgent(env.n_states, env.n_actions, acfg, env.start)
         curves[name] = {"step": [], "cost": [], "return": [], "disc_cost": [], "success": []}
         t0 = time.perf_counter()
-        train_offline(agents[name], buf, cfg.steps, rng, callback=curve_cb(curves[name]), every=cfg.eval_every)
+        train_offline(agents[name], buf, cfg.steps, rng, callback=curve_cb(curves[name]), every=cfg.eval_every,
+                      also_at=(cfg.unlearn_steps,))  # retraining at unlearning's budget, whatever the grid
         times[name] = time.perf_counter() - t0
     variants = dict(UNLEARN_VARIANTS)
     variants.update({f"sweep lam_f={v:g}": (v / cfg.lam_forget if cfg.lam_forget else 0.0, ("reward", "cost"))
