@@ -220,3 +220,19 @@ def test_command_writes_report_and_results(tmp_path):
     assert d["lo"] <= d["mean"] <= d["hi"]
     page = (tmp_path / "report.html").read_text()
     assert "data:image/png;base64," in page and "Verdict" in page
+
+
+def test_the_rescaled_control_runs_only_when_a_channel_has_a_rescaled_variant(tmp_path):
+    """With no 1..10 judge among the channels the "[0, 1]-scaled" control was the summed run again, reported as a
+    control and costing a third of the run."""
+    j = "polyrl.safety.redteam.judges:"
+    small = ["--seeds", "1", "--single-turn-steps", "1", "--multi-turn-steps", "1", "--co-train-steps", "2"]
+    for channels, variants in (([f"{j}attack_success", f"{j}safety"], ["summed", "decoupled"]),
+                               ([f"{j}attack_success", f"{j}helpfulness"], ["summed", "decoupled", "summed-unit"])):
+        out = tmp_path / str(len(variants))
+        args = _parse([*small, "--attacker-channels", channels[0], "--attacker-weights", "1",
+                       "--defender-channels", channels[1], "--defender-weights", "1", "--out", str(out)])
+        assert args.fn(args) == 0
+        assert json.loads((out / "results.json").read_text())["variants"] == variants
+        assert ("Control not run: no channel is a 1..10 judge" in (out / "report.html").read_text()) == (
+            len(variants) == 2)

@@ -172,7 +172,8 @@ def command(args: argparse.Namespace) -> int:
 
     _check(args)
     att_specs, def_specs, att_w, def_w = _weights(args)
-    variants = ["summed", "decoupled"] + (["summed-unit"] if args.control else [])
+    rescales = any(_unit(spec) != spec for spec in (*att_specs, *def_specs))  # else the control repeats "summed"
+    variants = ["summed", "decoupled"] + (["summed-unit"] if args.control and rescales else [])
     out = prepare_out(args, OUTPUTS)
     torch.set_num_threads(args.threads)
     t0 = time.time()
@@ -217,7 +218,11 @@ def command(args: argparse.Namespace) -> int:
         tables={f"Final {args.final_frac:.0%} of co-training: mean [{args.ci:.0%} bootstrap CI over "
                 f"{args.seeds} seeds]": table_html(headers, rows),
                 "Per seed": table_html(["variant", "seed", *keys, "attacker entropy"], seed_rows)},
-        figures={"ASR and helpfulness curves": fig}, notes=_notes(args, att_specs, def_specs, att_w, def_w, wall))
+        figures={"ASR and helpfulness curves": fig},
+        notes=_notes(args, att_specs, def_specs, att_w, def_w, wall) + (
+            [f"Control not run: no channel is a 1..10 judge ({J}prompt_quality or {J}helpfulness), so the summed "
+             "baseline with [0, 1]-scaled judges would be the summed run again."] if args.control and not rescales
+            else []))
     print(f"wrote {paths['html']} and {paths['results']} ({wall:.0f} s)")
     return 0
 
@@ -293,6 +298,7 @@ def add_parser(subparsers, name: str) -> None:
     p.add_argument("--final-frac", type=float, default=0.2, help="share of co-training updates averaged at the end")
     p.add_argument("--ci", type=float, default=0.9, help="bootstrap interval level over seeds")
     p.add_argument("--control", action=argparse.BooleanOptionalAction, default=True,
-                   help="also run the summed baseline with [0, 1]-scaled judges (default on)")
+                   help="also run the summed baseline with [0, 1]-scaled judges (default on; skipped, with a note, "
+                   "when no channel is a 1..10 judge)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     p.set_defaults(fn=command)
