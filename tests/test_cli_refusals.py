@@ -588,6 +588,10 @@ def test_more_threads_than_four_per_core_are_refused_before_any_work(tmp_path, c
     (["marl", "train", "--lr", "1e39"], ["lr = 1e+39 is not allowed", "at most 3.4e+38"]),
     (["duplex", "train", "--imitation-lr", "1e39"], ["imitation_lr = 1e+39 is not allowed", "float32"]),
     (["duplex", "train", "--natural-noise", "49"], ["natural_noise = 49 is not allowed", "[0, frames = 48]"]),
+    # within float32 but not Adam's first step, 10 x lr: the same overflow traceback
+    (["marl", "train", "--lr", "1e38"], ["lr = 1e+38 is not allowed", "at most 3.4e+37", "Adam's first step"]),
+    (["flow", "train", "--lr", "1e38"], ["lr = 1e+38 is not allowed", "at most 3.4e+37"]),
+    (["duplex", "train", "--imitation-lr", "1e38"], ["imitation_lr = 1e+38 is not allowed", "at most 3.4e+37"]),
 ])
 def test_family_settings_beyond_float32_are_refused_before_any_work(tmp_path, capsys, argv, words):
     """Finite, but inf in the family's float32 tensors: an overflow traceback from the optimizer in step 1 (and an

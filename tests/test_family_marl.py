@@ -6,6 +6,7 @@ import json
 import math
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -175,6 +176,34 @@ def test_resume_2_plus_2_equals_4(tmp_path, eval_every):
     assert [sorted(r) for r in rows] == [sorted(r) for r in full_rows]
 
 
+def test_resuming_a_finished_run_keeps_its_final_evaluation_and_its_checkpoint_leftover_is_its_own(tmp_path,
+                                                                                                     monkeypatch):
+    """A resume with no steps left dropped the last row's off-schedule evaluation and evaluated nothing again, so
+    summary.json's success numbers came from the evaluation before; an interrupted save left checkpoint.tmp, which
+    --overwrite refused as a file no run writes."""
+    from polyrl.runs import replaceable
+
+    m, tiny = get_marl_method("mappo"), {**TINY, "eval_every": 2}
+    done = train_marl(MarlTrainConfig(steps=3, **tiny), m, run_dir=tmp_path, table_every=0)
+    again = train_marl(MarlTrainConfig(steps=3, **tiny), m, run_dir=tmp_path, resume=True, table_every=0)
+    assert "eval/accuracy" in again["history"][-1] and again["history"][-1]["step"] == 3
+    assert again["success_heldout"] == done["success_heldout"] == done["history"][-1]["eval/accuracy"]
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "eval/accuracy" in r] == [2, 3]
+    import polyrl.families.marl.train as marl_train
+
+    def interrupted(obj, path):
+        Path(path).write_bytes(b"half a checkpoint")
+        raise KeyboardInterrupt
+
+    agent = marl_train.Agent(m, 16)
+    monkeypatch.setattr(marl_train.torch, "save", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        marl_train.save_checkpoint(tmp_path / "checkpoint.pt", agent, torch.optim.Adam(agent.parameters()),
+                                   torch.Generator(), 3, [])
+    assert (tmp_path / "checkpoint.pt.tmp").exists() and replaceable(tmp_path)
+
+
 def test_ippo_critic_differs_and_trains(tmp_path):
     s = train_marl(MarlTrainConfig(steps=2, **TINY), get_marl_method("ippo"), run_dir=tmp_path, table_every=0)
     assert s["critic"] == "local" and 0.0 <= s["success_heldout"] <= 1.0
@@ -183,7 +212,7 @@ def test_ippo_critic_differs_and_trains(tmp_path):
 @pytest.mark.parametrize("flags, field", [
     (["--teams", "3,9"], "teams"), (["--teams", "a"], "teams"),
     (["--teams", "5"], "teams = '5' is not allowed (held out: 5)"), (["--lr", "-1"], "lr"), (["--gamma", "2"], "gamma"),
-    (["--envs", "0"], "envs"), (["--method", "qmix"], "method"), (["--minibatches", "99"], "minibatches")])
+    (["--envs", "0"], "envs"), (["--hidden", "1"], "hidden = 1 is not allowed; allowed: an integer >= 2"), (["--method", "qmix"], "method"), (["--minibatches", "99"], "minibatches")])
 def test_bad_settings_one_line_errors(flags, field):
     with pytest.raises(ConfigError) as e:
         check_train_flags(flags)

@@ -33,6 +33,20 @@ def test_report_reuses_a_finished_run_only_with_the_same_settings(tmp_path, caps
     assert s["steps"] == 2 and s["config"]["lr"] == 0.5
 
 
+def test_report_prints_a_line_per_run_and_gives_one_seed_no_interval(tmp_path, capsys):
+    """Each run's whole step table was printed at its end (six 150-row tables at the defaults), nothing while it
+    trained; with one seed the MAPPO - IPPO difference was shown as an interval [d, d] without the caveat."""
+    from polyrl.cli import main
+
+    out = tmp_path / "rep"
+    assert main(["marl", "report", "--seeds", "1", *TINY, "--steps", "3", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "mappo seed 0: held-out success" in printed and "ippo seed 0: held-out success" in printed
+    assert "s/step" not in printed  # no step table
+    page = (out / "report.html").read_text()
+    assert "on one seed, which gives no interval: no difference shown" in page
+
+
 def test_stale_setting_ignores_run_control():
     from dataclasses import asdict, replace
 

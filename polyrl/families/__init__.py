@@ -93,6 +93,10 @@ def family_config(values: dict, cls, validate):
         if isinstance(v, float) and math.isfinite(v) and abs(v) > FLOAT32_MAX:
             raise ConfigError(f"{f.name} = {v:g} is not allowed; allowed: a number of at most {FLOAT32_MAX:.3g} in "
                               "size (float32, in which the family trains)")
+        if (f.name == "lr" or f.name.endswith("_lr")) and isinstance(v, float) and abs(v) > FLOAT32_MAX / 10:
+            # Adam's first step is lr / (1 - beta1) = 10 lr, a float32 scalar: an --lr 1e38 was an overflow traceback
+            raise ConfigError(f"{f.name} = {v:g} is not allowed; allowed: at most {FLOAT32_MAX / 10:.3g} (Adam's "
+                              "first step is 10 x the learning rate, in float32)")
     try:
         validate(cfg)
     except ValueError as e:

@@ -12,6 +12,7 @@ mappo - ippo difference with its interval, and a figure of held-out success agai
 
 from __future__ import annotations
 
+import io
 import json
 from collections.abc import Collection
 from dataclasses import replace
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from rich.console import Console
 
 from polyrl.families.reuse import check_reuse, finished, stale_setting
 from polyrl.lab.stats import bootstrap_ci
@@ -79,8 +81,12 @@ def run_report(cfg, *, seeds: int, out: Path, methods: list[str], console=None, 
                 write_record(run_dir, {"config": c.__dict__, "method": m.name})
                 if console is not None:
                     console.print(f"training {m.name} seed {seed} ...")
-                s = train_marl(c, m, run_dir=run_dir, console=console, table_every=0)
+                # the run's own table would print every step at its end: one line per run instead
+                s = train_marl(c, m, run_dir=run_dir, console=Console(file=io.StringIO()), table_every=0)
                 hist = s["history"]
+                if console is not None:
+                    console.print(f"  {m.name} seed {seed}: held-out success {s['success_heldout']:.3f} "
+                                  f"({s['wall_seconds']:.0f} s)")
             per[m.name]["heldout"].append(s["success_heldout"])
             per[m.name]["train"].append(s["success_train"])
             per[m.name]["shapes"].append(s["success_heldout_shapes"])
@@ -110,7 +116,10 @@ def run_report(cfg, *, seeds: int, out: Path, methods: list[str], console=None, 
         lo, hi = bootstrap_ci(diff, level=ci)
         results["mappo_minus_ippo_heldout"] = {"mean": float(np.mean(diff)), "lo": lo, "hi": hi, "per_seed": diff}
         verdict += (f". Centralised critic minus local critic (same seed): {np.mean(diff):+.3f} [{lo:+.3f}, {hi:+.3f}]"
-                    + (" -- the interval contains 0, no difference shown" if lo <= 0 <= hi else ""))
+                    + (" -- the interval contains 0, no difference shown" if lo <= 0 <= hi else "")
+                    if len(diff) >= 2 else
+                    f". Centralised critic minus local critic (same seed): {np.mean(diff):+.3f} on one seed, which "
+                    "gives no interval: no difference shown (run --seeds 2 or more)")
     fig = _curve_plot(hists, out / "heldout_success.png")
     return write_report(
         out, title="Multi-agent formation: MAPPO vs no centralised critic", verdict=verdict + ".",

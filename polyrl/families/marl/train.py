@@ -102,6 +102,9 @@ def validate_config(cfg: MarlTrainConfig) -> None:
         v = getattr(cfg, name)
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"{name} = {v!r} is not allowed; allowed: an integer >= 1")
+    if cfg.hidden < 2:  # the neighbour encoder is hidden // 2 wide: at 1 the robots would not see each other
+        raise ValueError(f"hidden = {cfg.hidden} is not allowed; allowed: an integer >= 2 (the neighbour encoder "
+                         "is hidden // 2 wide)")
     if cfg.threads > max_threads():
         raise ValueError(f"threads = {cfg.threads} is not allowed; allowed: an integer in [1, {max_threads()}] "
                          "(4 per core of this machine; a run recorded with more, resumed here, takes --threads)")
@@ -264,7 +267,7 @@ def update(agent: Agent, opt: torch.optim.Optimizer, batch: dict[str, Any], cfg:
 
 def save_checkpoint(path: Path, agent: Agent, opt, g: torch.Generator, step: int, history: list) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
+    tmp = path.with_name(path.name + ".tmp")  # checkpoint.pt.tmp: a run's own leftover (runs.RUN_OUTPUTS)
     torch.save({"agent": agent.state_dict(), "opt": opt.state_dict(), "rng": g.get_state(), "step": step,
                 "history": history}, tmp)
     tmp.replace(path)
@@ -293,13 +296,14 @@ def train_marl(cfg: MarlTrainConfig, method: MarlMethod, *, run_dir: str | Path,
         g.set_state(state["rng"])
         start, history = state["step"], state["history"]
         check_resume_steps(cfg.steps, start, run_dir)
-        final_eval = start % cfg.eval_every != 0  # the segment evaluated at its last step; the unbroken run does not
+        # the segment evaluated at its last step, which an unbroken run to cfg.steps does not (unless it ends there)
+        final_eval = start % cfg.eval_every != 0 and cfg.steps > start
         _cut_metrics(run_dir, start, drop_eval=final_eval)
         if final_eval:
             history = [_without_eval(r) if r["step"] == start else r for r in history]
     dist = train_dist(cfg)
     logger = RunLogger(run_dir, tensorboard=cfg.tensorboard, console=console, table_every=table_every,
-                       history=history)
+                       history=history, purge_step=start + 1 if resume else None)
     scales = {"lr": cfg.lr, "entropy-coef": cfg.entropy_coef, "value-coef": cfg.value_coef}  # what a loss scales by
     try:
         for step in range(start + 1, cfg.steps + 1):
