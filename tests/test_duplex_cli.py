@@ -152,6 +152,10 @@ def test_resume_keeps_method_and_advantage(tmp_path, capsys):
         code, err = cli(capsys, "duplex", "train", "--steps", "2", *TINY, *flags, "--run-dir", str(run), "--resume")
         assert code == 2
         one_line(err, f"{field} = ", "differs")
+    # it said "advantage ... does not apply (imitation only)": the run's advantage was put on the new preset first
+    code, err = cli(capsys, "duplex", "train", "--method", "imitation", "--run-dir", str(run), "--resume")
+    assert code == 2
+    one_line(err, "method = 'imitation' differs from the run's own method = 'grpo'")
     assert (run / "config.json").read_text() == record and (run / "summary.json").read_text() == summary
     # without flags a resume continues with the run's own settings (not the defaults)
     assert cli(capsys, "duplex", "train", "--steps", "2", "--run-dir", str(run), "--resume")[0] == 0

@@ -144,6 +144,25 @@ def test_flow_dppo_mask_by_hand_and_units():
             assert a["mask_frac"] == b["mask_frac"] and a["kl_mask_frac"] == b["kl_mask_frac"]
 
 
+def test_the_flow_dppo_part_gates_on_the_kl_in_the_samplers_unit():
+    """The part always gated on the per-dimension KL, so --reduce sum changed the ratio's unit but not the
+    threshold's (the module says every threshold follows --reduce); an explicit kl_reduce still wins."""
+    lp, lo, mn, mo, std, adv = dppo_case(1, scale=0.05)
+    mask = torch.ones_like(lo)
+    part = FLOW_LOSSES.fn("flow_dppo")
+    for reduce in ("mean", "sum"):
+        inp = FlowLossInputs(adv=adv, reduce=reduce, logp=lp, old_logp=lo, mean=mn, old_mean=mo, std=std, mask=mask)
+        _, got = part(inp, kl_threshold=1e-3)
+        _, want = flow_dppo_loss(lp, lo, mn, mo, std, adv, mask, kl_threshold=1e-3, kl_reduce=reduce)
+        assert got["kl_mask_frac"] == want["kl_mask_frac"]
+        _, pinned = part(inp, kl_threshold=1e-3, kl_reduce="mean")
+        assert pinned["kl_mask_frac"] == flow_dppo_loss(lp, lo, mn, mo, std, adv, mask, kl_threshold=1e-3,
+                                                        kl_reduce="mean")[1]["kl_mask_frac"]
+    by_unit = [part(FlowLossInputs(adv=adv, reduce=r, logp=lp, old_logp=lo, mean=mn, old_mean=mo, std=std,
+                                   mask=mask), kl_threshold=1e-3)[1]["kl_mask_frac"] for r in ("mean", "sum")]
+    assert by_unit[0] != by_unit[1]  # the same tau masks more steps against the 3x larger summed KL
+
+
 def test_flow_grpo_clip_by_hand_and_exact_kl_gradient():
     lo = torch.zeros(1, 3, dtype=D64)
     lp = torch.log(torch.tensor([[1.5, 0.5, 1.1]], dtype=D64)).requires_grad_(True)

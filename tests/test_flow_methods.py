@@ -31,7 +31,7 @@ def test_presets_name_their_parts():
 
 def test_overrides_keep_other_parameters_and_revalidate():
     m = get_flow_method("flow_dppo", loss="flow_dppo:kl_threshold=1e-4", schedule="cps", eta=0.5)
-    assert m.loss.params == {"kl_threshold": 1e-4, "kl_reduce": "mean"} and m.schedule == "cps" and m.eta == 0.5
+    assert m.loss.params == {"kl_threshold": 1e-4, "kl_reduce": None} and m.schedule == "cps" and m.eta == 0.5
     m = get_flow_method("flow_grpo", loss="flow_clip:kl_beta=0.01", advantage="rloo", reduce="sum")
     assert m.loss.params["clip"] == 0.02 and m.loss.params["kl_beta"] == 0.01 and m.advantage.name == "rloo"
 

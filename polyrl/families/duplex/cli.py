@@ -80,15 +80,21 @@ def resume_settings(args: argparse.Namespace, run_dir: str):
     cfg = family_config({**current, **_given(args)}, DuplexTrainConfig, validate_config)
     # an imitation method has no advantage: earlier records wrote it as the string 'None'
     parts = {k: None if v == "None" else v for k, v in saved.get("parts", {}).items()}
-    method = _method(args, default=saved.get("method", "grpo"), advantage=parts.get("advantage"))
+    may = [k for k in RESUME_MAY_CHANGE if k in asdict(cfg)]  # extending the run or how it is watched, as marl, q
+
+    def refuse(k, new, old):
+        raise ConfigError(f"{k} = {new!r} differs from the run's own {k} = {old!r} in '{run_dir}'; a resume "
+                          f"keeps the run's settings (only {', '.join(may)} may change)")
+
+    own = saved.get("method", "grpo")
+    if args.method and args.method != own:  # before the run's advantage is put on another preset, which may refuse it
+        refuse("method", args.method, own)
+    method = _method(args, default=own, advantage=parts.get("advantage"))
     old = {**current, "method": saved.get("method"), **parts}
     new = {**asdict(cfg), "method": method.name, **_parts(method)}
-    may = [k for k in RESUME_MAY_CHANGE if k in new]  # extending the run or how it is watched, as marl and q allow
     changed = [k for k in new if k not in may and k in old and old[k] != new[k]]
     if changed:
-        k = changed[0]
-        raise ConfigError(f"{k} = {new[k]!r} differs from the run's own {k} = {old[k]!r} in '{run_dir}'; a resume "
-                          f"keeps the run's settings (only {', '.join(may)} may change)")
+        refuse(changed[0], new[changed[0]], old[changed[0]])
     return cfg, method, {k: [old[k], new[k]] for k in may if k in old and old[k] != new[k]}
 
 

@@ -249,17 +249,18 @@ def flow_clip(inp: FlowLossInputs, *, clip: float = 0.02, kl_beta: float = 0.0) 
 
 @FLOW_LOSSES.register("flow_dppo", paper="arXiv:2606.11025", ranges={"kl_threshold": ">=0"}, tags=("steps",))
 def flow_dppo(inp: FlowLossInputs, *, kl_threshold: float = 4e-4,
-              kl_reduce: Literal["mean", "sum"] = "mean") -> tuple[Tensor, dict[str, Tensor]]:
+              kl_reduce: Literal["mean", "sum"] | None = None) -> tuple[Tensor, dict[str, Tensor]]:
     """Flow-DPPO exact-KL asymmetric mask on -A rho (mean over steps).
 
     Default tau 4e-4 per-dimension nats is [ours] for D = 2 (UniRL uses 1e-5 on image latents): by B4,
     Std[log rho_sum] = sqrt(2 KL_sum), so flow_clip's 0.02 per dim (|log rho_sum| = 0.04) matches
-    KL_mean = D clip^2 / 2 = 4e-4.
+    KL_mean = D clip^2 / 2 = 4e-4. ``kl_reduce`` None: the sampler's unit (``inp.reduce``), as every threshold
+    here; with --reduce sum the KL gating the mask is then in nats, so tau must be D times larger.
     """
     logp, old, mean, old_mean, std, mask = _need(inp, "flow_dppo", "logp", "old_logp", "mean", "old_mean", "std",
                                                  "mask")
     per, metrics = flow_dppo_loss(logp, old, mean, old_mean, std, inp.adv, mask, kl_threshold=kl_threshold,
-                                  kl_reduce=kl_reduce)
+                                  kl_reduce=inp.reduce if kl_reduce is None else kl_reduce)
     return _agg(per, mask), metrics
 
 
