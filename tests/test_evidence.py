@@ -166,3 +166,84 @@ def test_run_evidence_and_pmap_refuse_workers_below_one(tmp_path):
     with pytest.raises(ValueError, match="workers = 0 is not allowed"):
         _pmap(lambda x: x, [(1,)], 0)
     assert _pmap(lambda x: x * 2, [(1,), (2,)], 1) == [2, 4]
+
+
+def test_evidence_refuses_a_file_as_out_and_a_second_command_on_one_out(tmp_path, capsys):
+    """--out FILE was a FileExistsError traceback; two commands on one --out each read results.json at their start
+    and the later write lost the other's claims (now the second is refused: compare's run_lock)."""
+    from polyrl.runs import run_lock
+
+    (tmp_path / "file").write_text("x")
+    rc, err = _evidence(capsys, "--claims", "lambda_target", "--out", str(tmp_path / "file"))
+    assert rc == 2 and len(err) == 1 and "--out = " in err[0] and "file" in err[0], err
+    out = tmp_path / "out"
+    out.mkdir()
+    with run_lock(out, "out"):
+        rc, err = _evidence(capsys, "--claims", "lambda_target", "--out", str(out))
+    assert rc == 2 and len(err) == 1 and "out = " in err[0], err
+    assert list(out.iterdir()) == []
+
+
+def test_a_failed_run_inside_a_claim_stops_in_one_line(tmp_path, capsys):
+    """A run that failed came out as a RuntimeError traceback (the lab raised RuntimeError, which main re-raises)."""
+    (tmp_path / "lambda_target").mkdir()
+    (tmp_path / "lambda_target" / "every_step-s0").write_text("a file where the run directory goes")
+    rc, err = _evidence(capsys, "--claims", "lambda_target", "--out", str(tmp_path), "--workers", "1")
+    assert rc == 1 and err[-1].startswith("polyrl: training stopped: polyrl q train every_step failed"), err
+    assert not any("Traceback" in line for line in err)
+
+
+def test_the_agency_claim_finds_its_warm_start_from_any_directory_and_shows_it_relative(tmp_path, monkeypatch):
+    """The baseline's path was relative to the current directory: from anywhere but the checkout every agency run
+    failed ("must be an existing local model directory") after the baselines had trained."""
+    from polyrl.lab.claims import _agency_arms
+
+    monkeypatch.chdir(tmp_path)
+    flags = _agency_arms(Budget(1, 3))["agency"][1]
+    path = Path(flags[flags.index("--agency") + 1])
+    assert path.is_absolute() and (path / "config.json").exists()
+    setup = CLAIMS["agency_never_worse"].setup
+    assert "agency = `grpo --agency polyrl/warmstarts/addition --agency-schedule" in setup  # the same text anywhere
+
+
+def test_reports_draw_their_figures_into_out_and_copy_them_to_docs(tmp_path):
+    """With docs the figures went only to docs/evidence/, and OUT/evidence.md linked images that did not exist."""
+    from polyrl.lab.evidence import write_reports
+
+    out, docs = tmp_path / "out", tmp_path / "docs"
+    out.mkdir()
+    write_reports(_results("holds", None), CLAIMS, out, docs=docs)
+    assert "evidence/dapo_clip_higher.png" in (out / "evidence.md").read_text()
+    assert (out / "evidence" / "dapo_clip_higher.png").exists() and (docs / "evidence" / "dapo_clip_higher.png").exists()
+    assert (docs / "evidence.md").read_text() == (out / "evidence.md").read_text()
+
+
+def test_a_terminated_evidence_command_stops_the_runs_it_started(tmp_path, monkeypatch, capsys):
+    """SIGTERM ended `polyrl evidence` at once and its `polyrl train` child, re-parented, trained on into OUT/runs
+    (compare unwinds on SIGTERM and stops its runs; evidence now does the same)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from polyrl.cli import main
+    from polyrl.lab import compare as lab
+
+    started, real = [], subprocess.Popen
+
+    def popen(argv, **kw):  # a training run that would go on for a minute
+        started.append(real([sys.executable, "-c", "import time; time.sleep(60)"], **kw))
+        return started[-1]
+
+    monkeypatch.setattr(lab.subprocess, "Popen", popen)
+    monkeypatch.setattr(lab, "STOP_GRACE_S", 5.0)
+    monkeypatch.setattr("polyrl.lab.claims.subprocess.run", lambda *a, **k: subprocess.CompletedProcess(a, 0, "", ""))
+    signal.setitimer(signal.ITIMER_REAL, 1.5)
+    previous = signal.signal(signal.SIGALRM, lambda *_: os.kill(os.getpid(), signal.SIGTERM))
+    try:
+        code = main(["evidence", "--claims", "drgrpo_length_bias", "--out", str(tmp_path / "ev"), "--workers", "1"])
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    assert code == 128 + signal.SIGTERM
+    assert len(started) == 1 and started[0].poll() == -signal.SIGTERM  # stopped, not left training

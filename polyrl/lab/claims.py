@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from polyrl.errors import TrainingError
 from polyrl.lab import verdicts
 from polyrl.lab.asymptote import failed_fits, fit_curves, paired_asymptote, seed_asymptote
 from polyrl.lab.claim_types import Budget, Claim, Samples
@@ -97,12 +98,17 @@ def lm_arms(out: Path, budget: Budget, workers: int, arms: dict[str, tuple[str, 
                            presets={keys[label]: preset})
     if specs and "--model" not in shared:  # the task's warm start, built once before the runs (as `polyrl compare`)
         task = shared[shared.index("--task") + 1] if "--task" in shared else "addition"
-        subprocess.run([sys.executable, "-m", "polyrl", "warmstart", "--task", task], check=True,
-                       stdout=subprocess.DEVNULL)
+        built = subprocess.run([sys.executable, "-m", "polyrl", "warmstart", "--task", task],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        if built.returncode:
+            from polyrl.lab.claims_families import last_line
+
+            raise TrainingError(f"polyrl warmstart --task {task} failed (rc {built.returncode}): "
+                                f"{last_line(built.stderr)}")
     if specs:
         failed = [s.name for s, code, _ in run_all(specs, workers=workers, console=Console(stderr=True)) if code]
         if failed:
-            raise RuntimeError(f"runs failed: {', '.join(failed)} (see their train.log under {root})")
+            raise TrainingError(f"runs failed: {', '.join(failed)} (see their METHOD/seedK.train.log under {root})")
     loaded = load_runs(root)
     samples: Samples = {"arms": {}, "curves": {}}
     for label, key in keys.items():
@@ -144,6 +150,15 @@ def _count(s: Samples, arm: str, stat: str = "collapsed") -> tuple[int, int]:
     return int(round(sum(v))), len(v)
 
 
+PACKAGE = Path(__file__).parents[1]  # polyrl/: the warm starts it ships
+
+
+def _shown(flag: str) -> str:
+    """A flag as the setup text shows it: a path inside the package relative to the checkout (the same text, and so
+    the same claim fingerprint, wherever polyrl lies)."""
+    return str(Path(flag).relative_to(PACKAGE.parent)) if Path(flag).is_relative_to(PACKAGE) else flag
+
+
 def _lm(id: str, title: str, seed_text: str, seed_source: str, corrected: str, setup: str,
         arms: dict | Callable[[Budget], dict], decide, limits: str, shared: list[str] | None = None,
         quick: Budget = QUICK, full: Budget = FULL, stability: bool = False, task: str = "addition",
@@ -163,7 +178,7 @@ def _lm(id: str, title: str, seed_text: str, seed_source: str, corrected: str, s
 
     setup = f"{setup} Shared flags: `{' '.join(flags)}` (held-out prompts: 50 quick, 100 full); arms" + \
         (" at the full budget" if callable(arms) else "") + ": " + "; ".join(
-        f"{label} = `{p}{' ' + ' '.join(f) if f else ''}`" for label, (p, f) in arms_at(full).items()) + "."
+        f"{label} = `{' '.join([p, *map(_shown, f)])}`" for label, (p, f) in arms_at(full).items()) + "."
     return register(Claim(id=id, title=title, seed_text=seed_text, seed_source=seed_source, corrected=corrected,
                           setup=setup, quick=quick, full=full, run=run, decide=decide, limits=limits,
                           stability=stability))
@@ -314,7 +329,7 @@ _lm("tree_budget", "Tree sampling uses the rollout budget better at equal accura
 def _agency_arms(budget: Budget) -> dict:
     """Plain GRPO vs agency transfer whose linear hand-over ends at 2/3 of the run (67 of 100 steps, 10 of 15)."""
     return {"baseline": ("grpo", []),
-            "agency": ("grpo", ["--agency", "polyrl/warmstarts/addition",
+            "agency": ("grpo", ["--agency", str(PACKAGE / "warmstarts" / "addition"),
                                 "--agency-schedule", f"linear:steps={max(1, round(2 * budget.steps / 3))}"])}
 
 

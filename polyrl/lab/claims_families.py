@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from polyrl.errors import TrainingError
 from polyrl.lab import verdicts
 from polyrl.lab.claim_types import Budget, Claim, check_workers
 
@@ -40,6 +41,12 @@ def _weakest(parts: list[tuple[verdicts.Effect, float | None]]) -> verdicts.Deci
     return verdicts.decide(effect, claimed=claimed, also=tuple(e for j, (_, e, _) in enumerate(decided) if j != i))
 
 
+def last_line(text: str) -> str:
+    """The last non-empty line of a failed command's stderr (its one-line error), at most 400 characters."""
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    return lines[-1][-400:] if lines else "no message"
+
+
 def _polyrl(args: list[str], out: Path) -> dict[str, Any]:
     """Run ``polyrl ARGS --out OUT`` unless OUT/results.json exists; return that JSON."""
     res = out / "results.json"
@@ -47,7 +54,7 @@ def _polyrl(args: list[str], out: Path) -> dict[str, Any]:
         cmd = [sys.executable, "-m", "polyrl", *args, "--out", str(out)]
         proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
         if proc.returncode != 0 or not res.exists():
-            raise RuntimeError(f"{' '.join(cmd)} failed (rc {proc.returncode}): {proc.stderr.strip()[-400:]}")
+            raise TrainingError(f"{' '.join(cmd)} failed (rc {proc.returncode}): {last_line(proc.stderr)}")
     return json.loads(res.read_text())
 
 
@@ -86,7 +93,7 @@ def _flow_run(method: str, upb: int, seed: int, steps: int, out: Path) -> dict[s
             run_dir.mkdir(parents=True, exist_ok=True)
             summ.write_text(json.dumps({"reward_before": None, "reward_after": None, "error": "non-finite loss"}))
         elif proc.returncode != 0 or not summ.exists():
-            raise RuntimeError(f"polyrl flow train {method} failed (rc {proc.returncode}): {proc.stderr[-400:]}")
+            raise TrainingError(f"polyrl flow train {method} failed (rc {proc.returncode}): {last_line(proc.stderr)}")
     s = json.loads(summ.read_text())
     ratios = []
     metrics = run_dir / "metrics.jsonl"
@@ -268,7 +275,7 @@ def _q_run(method: str, seed: int, steps: int, out: Path) -> dict[str, Any]:
         proc = _cli(["q", "train", "--method", method, "--steps", str(steps), "--seed", str(seed), *flags,
                      "--checkpoint-every", "0", "--no-tensorboard", "--run-dir", str(run_dir), "--overwrite"])
         if proc.returncode != 0 or not summ.exists():
-            raise RuntimeError(f"polyrl q train {method} failed (rc {proc.returncode}): {proc.stderr[-400:]}")
+            raise TrainingError(f"polyrl q train {method} failed (rc {proc.returncode}): {last_line(proc.stderr)}")
     return json.loads(summ.read_text())
 
 
