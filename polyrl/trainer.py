@@ -263,7 +263,8 @@ def rl_step(cfg: TrainConfig, method: Method, state: TrainState, parts: Componen
     train_tokens = float(tb.attention_mask.sum()) * cfg.epochs_per_batch
     metrics.update({"perf/generate_s": t_gen - t_start, "perf/score_s": t_score - t_gen,
                     "perf/train_s": t_end - t_score,
-                    "perf/gen_tokens_per_second": gen_tokens / (t_gen - t_start),
+                    "perf/gen_tokens_per_second":  # every token sampled in the time, filtered groups' too
+                        batch.stats.get("rollout/generated_tokens", gen_tokens) / (t_gen - t_start),
                     "perf/train_tokens_per_second": train_tokens / max(t_end - t_gen, 1e-9)})
     state.last_samples = [{"prompt": p.model_text, "completion": s.text, "reward": float(r)}
                           for p, s, r in list(zip(batch.prompts, batch.samples, batch.scores))[:4]]

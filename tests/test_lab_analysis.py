@@ -384,3 +384,15 @@ def test_an_interpolated_curve_ends_where_each_seed_ends():
     out = curve(seeds, True, {"level": 0.9, "n_boot": 200, "seed": 0})
     end = out["x"].index(2769.0)
     assert out["n"][end] == 2 and out["mean"][end] == pytest.approx((0.4375 + 0.3 + 0.2 * (2769 - 1859) / 929) / 2)
+
+
+def test_the_token_axis_counts_every_generated_token_where_a_run_logs_them(tmp_path):
+    """rollout/gen_tokens is the trained batch's: a filtering method's regenerated groups were missing from the token
+    axis (DAPO drawn as cheaper than GRPO). rollout/generated_tokens, where logged, is what the axis sums."""
+
+    rows = [train_row(s, 0.1 * s, tokens=40.0, **{"rollout/generated_tokens": 55.0}) for s in (1, 2, 3)]
+    write_run(tmp_path / "dapo" / "seed0", rows)
+    write_run(tmp_path / "grpo" / "seed0", [train_row(s, 0.1 * s, tokens=40.0) for s in (1, 2, 3)])
+    runs = load_runs(tmp_path)
+    assert runs["dapo"][0].compute()["tokens"].tolist() == [55.0, 110.0, 165.0]
+    assert runs["grpo"][0].compute()["tokens"].tolist() == [40.0, 80.0, 120.0]  # no generated_tokens: the batch's

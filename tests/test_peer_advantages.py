@@ -249,3 +249,27 @@ def test_gdpo_tokens_keeps_a_group_of_one_at_zero():
     r, gids = t(1, 0, 1), torch.tensor([0, 0, 1])
     adv = gdpo(r, gids, lengths_mask([1, 3, 2], 3), whiten="tokens")
     assert adv[2] == 0 and adv[0] > 0 > adv[1]
+
+
+def test_collect_counts_the_tokens_of_every_round_filtered_groups_included(tiny_model):
+    """The lab's token axis read rollout/gen_tokens, the kept batch's tokens: DAPO, which samples again for the groups
+    its filter drops, was drawn as spending fewer tokens than GRPO. rollout/generated_tokens counts every sample."""
+    from polyrl.model import load_policy
+    from polyrl.rollout.collect import written_tokens
+    from polyrl.rollout.episodes import EpisodeRunner
+    from polyrl.rollout.hf import HFGenerator
+    from polyrl.rollout.source import PromptStream
+    from polyrl.tasks.arithmetic import AdditionTask
+    from polyrl.tasks.rewards import RewardChannels
+
+    policy, tokenizer = load_policy(tiny_model, threads=1)
+    task = AdditionTask()
+    spy = _Spy(EpisodeRunner(HFGenerator(policy, tokenizer), tokenizer, task))
+    rewards = RewardChannels(task, ["tests.reward_fns:digit_fraction"])  # partial credit: some groups mixed, some not
+    batch = collect(spy, rewards, get_method("dapo"), PromptStream.of(task, 0).take, num_groups=6,
+                    params=SamplingParams(n=2, max_new_tokens=6, seed=3), history={}, max_rounds=8)
+    every = [s for _, out in spy.calls for s in out]
+    assert batch.stats["rollout/generated"] == len(every)
+    assert batch.stats["rollout/generated_tokens"] == written_tokens(every)
+    kept = written_tokens(batch.samples)
+    assert len(spy.calls) > 1 and batch.stats["rollout/generated_tokens"] > kept  # groups were dropped and redrawn

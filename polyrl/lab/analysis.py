@@ -5,8 +5,10 @@ Conventions (each stated once here, used everywhere):
 - Rows of ``metrics.jsonl`` are merged by step (a later row overrides an earlier one for the same key). A
   step number that goes backwards marks a resumed run: the earlier rows from that step on are dropped.
 - Cumulative rollouts at step s = sum of ``rollout/generated`` over steps <= s; cumulative tokens likewise
-  from ``rollout/gen_tokens`` (a row without it but with ``rollout/generated`` and ``rollout/mean_len``
-  counts their product and the run is marked ``tokens_estimated``). An evaluation at step s is taken
+  from ``rollout/generated_tokens`` (every token sampled, in groups a filter dropped too: DAPO's regenerations),
+  else ``rollout/gen_tokens`` (the trained batch's; a sampler that logs no generated tokens), and a row with
+  neither but with ``rollout/generated`` and ``rollout/mean_len`` counts their product and the run is marked
+  ``tokens_estimated``. An evaluation at step s is taken
   after the update of step s, so it sees the compute of steps <= s; step 0 has compute 0.
 - Performance metric: ``eval/accuracy`` when any run logs it, else ``reward/mean`` (``perf_metric``).
 - Curves over seeds: against steps, seeds are aligned on the union of their logged steps and each point
@@ -81,7 +83,8 @@ class Run:
         has_rollouts = has_tokens = estimated = False
         n_roll = n_tok = 0.0
         for s, r in self.by_step().items():
-            gen, tok = _num(r.get("rollout/generated")), _num(r.get("rollout/gen_tokens"))
+            gen, tok = _num(r.get("rollout/generated")), _num(r.get("rollout/generated_tokens"))
+            tok = _num(r.get("rollout/gen_tokens")) if tok is None else tok
             if tok is None and gen is not None and _num(r.get(LENGTH)) is not None:
                 tok, estimated = gen * _num(r.get(LENGTH)), True
             has_rollouts |= gen is not None

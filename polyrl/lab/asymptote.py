@@ -3,8 +3,9 @@
 The lab's compare analysis (polyrl/lab/analysis.py:_sigmoid) pools the seeds of a method into one fit; a claim
 decided by seed pairs needs one asymptote A per run instead. Each run is fitted with the same law and the same
 fitter (polyrl/lab/stats.py: sigmoid_law, fit_sigmoid): held-out accuracy against cumulative GENERATED rollouts
-(``rollout/generated``, which counts DAPO's dynamic-sampling regenerations; ``rollout/gen_tokens`` counts only
-the kept batch), R0 fixed at the run's first evaluation (step 0, compute 0), A bounded to [R0, 1].
+(``rollout/generated``, which counts DAPO's dynamic-sampling regenerations, as ``rollout/generated_tokens``
+does; ``rollout/gen_tokens`` counts only the kept batch), R0 fixed at the run's first evaluation (step 0, compute
+0), A bounded to [R0, 1].
 
 A failed fit (fit_sigmoid returns a reason, e.g. "no gain over R0"; or an unidentified one: A at the bound 1 with the
 half-gain compute Cmid beyond the data, where the data bound neither) gives A = None for that seed and is never

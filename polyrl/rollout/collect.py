@@ -125,7 +125,8 @@ def collect(
         raise NoUsableGroups(
             f"every sampled group was filtered out in {rounds} generation round(s) "
             f"(filters: {', '.join(f.name for f in method.filters)})",
-            {"rollout/gen_rounds": float(rounds), "rollout/generated": float(generated), "rollout/utilization": 0.0},
+            {"rollout/gen_rounds": float(rounds), "rollout/generated": float(generated),
+             "rollout/generated_tokens": float(tokens_generated), "rollout/utilization": 0.0},
         )
     samples = [s for grp in kept_groups for s in grp[2]]
     scores = torch.cat([grp[3] for grp in kept_groups])
@@ -133,6 +134,7 @@ def collect(
     stats = {
         "rollout/gen_rounds": float(rounds),
         "rollout/generated": float(generated),
+        "rollout/generated_tokens": float(tokens_generated),  # every round's, filtered groups too (the compute)
         "rollout/groups": float(len(kept_groups)),
         "rollout/utilization": useful / max(1, generated),
         "rollout/useful_groups_per_token": (useful / G) / max(1, tokens_generated),
