@@ -472,15 +472,21 @@ def cmd_compare(args: argparse.Namespace) -> int:
         args.checkpointed = getattr(module, "checkpointed", None)  # None: its runs restart (flow saves none)
     else:
         shared, model = ["--task", args.task or "addition", *args.extra], args.model
-        if model is None:
-            from polyrl.tinylm import warmstart
-
-            model = warmstart(args.task or "addition", cache_dir() / "warmstart", seed=0).path
         flags = OneLineParser(prog="polyrl train", add_help=False)
         flags.raising = True
         add_train_args(flags)
+        if model is None:  # a misspelt flag or preset is refused before the warm start trains (minutes), not after
+            from polyrl.methods import get_method
+            from polyrl.tinylm import warmstart
+
+            def names_only(argv: list[str]) -> None:  # the flags parse and the preset exists; no model needed
+                get_method(flags.parse_args([*argv, "--model", "-"]).method)
+
+            validate_runs(methods, shared, per_method, presets, check=names_only)
+            model = warmstart(args.task or "addition", cache_dir() / "warmstart", seed=0).path
         command, resumable, check = (*plugins, "train"), True, check_train_flags(flags.parse_args, model)
-        args.threads_given = threads_given(flags.parse_args, [*shared, "--model", model])
+        args.threads_given = {m for m in methods  # a method's own flags or --config may set them (kept, not split)
+                              if threads_given(flags.parse_args, [*shared, *per_method.get(m, []), "--model", model])}
     args.expected = validate_runs(methods, shared, per_method, presets, check=check)
     from polyrl.runs import run_lock, signals_unwind
 
@@ -498,7 +504,7 @@ def _run_compare(args, methods, presets, shared, per_method, model, command, res
     out = Path(args.out)
     specs = plan_runs(methods, list(range(args.seeds)), out, shared, per_method, model, workers=args.workers,
                       presets=presets, command=command, resumable=resumable,
-                      checkpointed=getattr(args, "checkpointed", None), threads=getattr(args, "threads_given", False),
+                      checkpointed=getattr(args, "checkpointed", None), threads=getattr(args, "threads_given", ()),
                       expected=getattr(args, "expected", None))
     console.print(f"{len(specs)} run(s) to do of {len(methods) * args.seeds} (others finished)"
                   + (f"; model {model}" if model else ""))

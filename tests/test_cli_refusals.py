@@ -680,3 +680,49 @@ def test_an_allocation_that_fails_is_one_line_and_other_errors_still_raise(tmp_p
     monkeypatch.setattr("polyrl.families.q.train.train_q", bug)
     with pytest.raises(RuntimeError, match="shape mismatch"):
         main(["q", "train", "--run-dir", str(tmp_path / "q")])
+
+
+@pytest.mark.parametrize("argv, words", [(["--methods", "grpo", "--lrr", "3"], ["--lrr", "did you mean --lr?"]),
+                                         (["--methods", "grpoo"], ["unknown method 'grpoo'", "did you mean 'grpo'"]),
+                                         (["--methods", "grpo", "--method-args", "grpo=--epochz 2"], ["--epochz"])])
+def test_compare_refuses_a_misspelt_flag_or_preset_before_the_warm_start_trains(tmp_path, capsys, monkeypatch, argv,
+                                                                              words):
+    """`compare --task countdown --lrr 3` trained the countdown warm start (minutes) before it said --lrr is no flag."""
+    monkeypatch.setattr("polyrl.tinylm.warmstart", lambda *a, **k: pytest.fail("the warm start was built"))
+    assert main(["compare", *argv, "--task", "countdown", "--out", str(tmp_path / "c")]) == 2
+    one_line_error(capsys, *words)
+
+
+def test_compare_keeps_a_thread_count_a_methods_own_config_sets(tmp_path, monkeypatch, tiny_model):
+    """Only the shared flags were asked whether they set threads: a method's --config with `threads = 1` got
+    `--threads N` added before it on its command line, and the flag beat the file."""
+    import polyrl.lab.compare as lab
+
+    toml = tmp_path / "t.toml"
+    toml.write_text("threads = 1\n")
+    planned = []
+    monkeypatch.setattr(lab, "run_all", lambda specs, **k: planned.extend(specs) or [])
+    main(["compare", "--methods", "grpo,dapo", "--seeds", "1", "--model", tiny_model, "--out", str(tmp_path / "c"),
+          "--method-args", f"grpo=--config {toml}"])
+    argv = {s.method: s.args for s in planned}
+    assert "--threads" not in argv["grpo"] and argv["dapo"][argv["dapo"].index("--threads") + 1].isdigit()
+
+
+def test_a_failed_compare_run_names_its_log_where_it_is(tmp_path, monkeypatch):
+    """The line said "see seed0.train.log"; the log is OUT/<method>/seed0.train.log."""
+    import io
+    import subprocess
+    import sys
+
+    from rich.console import Console
+
+    from polyrl.lab import compare as lab
+
+    real = subprocess.Popen
+    monkeypatch.setattr(lab.subprocess, "Popen",
+                        lambda argv, **kw: real([sys.executable, "-c", "import sys; print('boom'); sys.exit(3)"], **kw))
+    spec = lab.RunSpec("grpo", 0, tmp_path / "grpo" / "seed0", ["train"])
+    text = io.StringIO()
+    assert [code for _, code, _ in lab.run_all([spec], workers=1, console=Console(file=text, width=300))] == [3]
+    assert f"FAILED (exit 3, see {tmp_path / 'grpo' / 'seed0.train.log'})" in text.getvalue()
+    assert (tmp_path / "grpo" / "seed0.train.log").read_text().strip().endswith("boom")

@@ -396,3 +396,17 @@ def test_the_token_axis_counts_every_generated_token_where_a_run_logs_them(tmp_p
     runs = load_runs(tmp_path)
     assert runs["dapo"][0].compute()["tokens"].tolist() == [55.0, 110.0, 165.0]
     assert runs["grpo"][0].compute()["tokens"].tolist() == [40.0, 80.0, 120.0]  # no generated_tokens: the batch's
+
+
+def test_the_sigmoid_axis_is_one_the_runs_log(tmp_path):
+    """`compare --family flow|q`: the fit's axis was always tokens, which no family logs ("no fit: no reward/mean points
+    with tokens logged" for every method); it is now the first of tokens, rollouts, steps that every run logs."""
+    rows = {"q": [{"step": s, "reward/mean": 0.1 * s, "rollout/generated": 8.0} for s in range(1, 9)],
+            "flow": [{"step": s, "reward/mean": 0.1 * s} for s in range(1, 9)],
+            "lm": [train_row(s, 0.1 * s) for s in range(1, 9)]}
+    for family, axis in (("q", "rollouts"), ("flow", "steps"), ("lm", "tokens")):
+        write_run(tmp_path / family / "m" / "seed0", rows[family])
+        res = analyse(tmp_path / family, n_boot=50)
+        assert res["settings"]["compute"] == axis and res["methods"]["m"]["sigmoid"]["compute"] == axis
+        assert "logged" not in res["methods"]["m"]["sigmoid"].get("reason", "")
+    assert analyse(tmp_path / "lm", n_boot=50, compute="steps")["settings"]["compute"] == "steps"  # asked for

@@ -305,14 +305,18 @@ def analyse_runs(
     ci: float = 0.9,
     n_boot: int = 2000,
     seed: int = 0,
-    compute: str = "tokens",
+    compute: str | None = None,
 ) -> dict[str, Any]:
     """Results for already loaded runs (see ``analyse``)."""
-    if compute not in AXES:
+    if compute is not None and compute not in AXES:
         raise ValueError(f"compute must be one of {AXES}, got {compute!r}")
     runs = {m: lst for m, lst in runs.items() if lst}
     if not runs:
         raise ValueError("no runs to analyse")
+    if compute is None:  # tokens where the runs log them; a family's runs log rollouts (q) or neither (flow)
+        logged = [axis for axis in ("tokens", "rollouts") if all(r.compute()[axis] is not None
+                                                                  for lst in runs.values() for r in lst)]
+        compute = logged[0] if logged else "steps"
     rule = collapse_rule or CollapseRule()
     boot = {"level": ci, "n_boot": n_boot, "seed": seed}
     bootstrap_ci([0.0, 1.0], **boot)  # validates the settings once
@@ -346,12 +350,13 @@ def analyse(
     ci: float = 0.9,
     n_boot: int = 2000,
     seed: int = 0,
-    compute: str = "tokens",
+    compute: str | None = None,
 ) -> dict[str, Any]:
     """Load every run under ``out_dir`` and return the per-method analysis as a plain JSON-serialisable dict.
 
     ``threshold``: performance level for the steps/rollouts/tokens-to-threshold table; ``ci``: bootstrap
-    interval level; ``compute``: x axis of the sigmoid fit ("tokens", "rollouts" or "steps").
+    interval level; ``compute``: x axis of the sigmoid fit ("tokens", "rollouts" or "steps"; None: the first of
+    them, in that order, that every run logs).
     """
     runs = load_runs(out_dir)
     if not runs:

@@ -1,7 +1,8 @@
 """`polyrl compare`: run methods x seeds on one task, then analyse and report.
 
 Every (method, seed) pair is one ordinary `polyrl train` run in ``OUT/<method>/seed<k>/``, started
-as a subprocess (its output in ``train.log`` there), one after another or in W worker processes.
+as a subprocess (its output in ``OUT/<method>/seed<k>.train.log`` beside it, which --overwrite of the run leaves),
+one after another or in W worker processes.
 All runs start from the same model: the task's cached warm start (built once, before any run) or
 ``--model``. A rerun skips finished runs (``summary.json`` present) and resumes interrupted ones
 (checkpoints but no summary). Every shared and per-method flag is validated for every method
@@ -19,7 +20,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +41,11 @@ class RunSpec:
     @property
     def name(self) -> str:
         return f"{self.method}/seed{self.seed}"
+
+    @property
+    def log(self) -> Path:
+        """The run's output, ``OUT/<method>/seed<k>.train.log``: beside its directory, which --overwrite replaces."""
+        return self.run_dir.parent / f"{self.run_dir.name}.train.log"
 
 
 def split_label(entry: str) -> tuple[str, str]:
@@ -155,14 +161,15 @@ def plan_runs(methods: list[str], seeds: list[int], out: Path, shared: list[str]
               per_method: dict[str, list[str]], model: str | None, workers: int = 1,
               presets: dict[str, str] | None = None, command: tuple[str, ...] = ("train",),
               resumable: bool = True, checkpointed: Callable[[Path], bool] | None = None,
-              threads: bool = False, expected: dict[str, dict] | None = None) -> list[RunSpec]:
+              threads: Collection[str] = (), expected: dict[str, dict] | None = None) -> list[RunSpec]:
     """One RunSpec per (method, seed); a finished run is left out, an interrupted one gets --resume.
 
     ``presets`` maps a variant label to its preset (``--methods uniform=grpo,tree=grpo``); by default a
     method's label is its preset. ``command`` is the train command (``polyrl train``, or an RL family's, e.g.
     ``flow train``); a family (``resumable=False``) takes no ``--model`` or ``--threads``, and resumes an
     interrupted run when its ``checkpointed(run_dir)`` says it saved one (q, duplex, marl), else restarts it (flow).
-    ``threads``: the flags set the thread count (``threads_given``); else each run gets the cores over ``workers``.
+    ``threads``: the methods whose flags set the thread count (``threads_given``: shared or their own flags, or a
+    --config TOML); every other method's runs get the cores over ``workers``.
     ``expected``: {method: the record its runs would write} (``validate_runs``); a finished run is checked against it
     (``finished_run``: kept, refused, or asked for more steps: resumed, or for a family that saves no checkpoint
     (flow) trained again).
@@ -171,10 +178,10 @@ def plan_runs(methods: list[str], seeds: list[int], out: Path, shared: list[str]
     from polyrl.checkpoint import latest_checkpoint
     from polyrl.runs import cores
 
-    if resumable and not threads:  # split the cores between concurrent runs, not oversubscribe them
-        shared = [*shared, "--threads", str(max(1, cores() // max(1, workers)))]
+    split = ["--threads", str(max(1, cores() // max(1, workers)))]  # the cores between concurrent runs
     specs = []
     for method in methods:
+        own = split if resumable and method not in threads else []
         for seed in seeds:
             run_dir = out / method / f"seed{seed}"
             done = (run_dir / "summary.json").exists()
@@ -188,7 +195,7 @@ def plan_runs(methods: list[str], seeds: list[int], out: Path, shared: list[str]
             resume = ["--resume"] if saved else ["--overwrite"]
             args = [*command, "--method", presets.get(method, method), "--seed", str(seed), "--run-dir", str(run_dir),
                     *(["--model", model] if model is not None else []),
-                    *shared, *per_method.get(method, []), *resume]
+                    *shared, *own, *per_method.get(method, []), *resume]
             specs.append(RunSpec(method, seed, run_dir, args))
     return specs
 
@@ -340,7 +347,7 @@ def run_all(specs: list[RunSpec], *, workers: int, console: Console) -> list[tup
         spec.run_dir.mkdir(parents=True, exist_ok=True)
         t0 = time.perf_counter()
         resumed = "--resume" in spec.args  # the interrupted run's log is kept: its error or last steps came first
-        with open(spec.run_dir.parent / f"{spec.run_dir.name}.train.log", "a" if resumed else "w") as log:
+        with open(spec.log, "a" if resumed else "w") as log:
             if resumed:
                 log.write(f"--- resumed by compare: polyrl {' '.join(spec.args)}\n")
                 log.flush()
@@ -362,7 +369,7 @@ def run_all(specs: list[RunSpec], *, workers: int, console: Console) -> list[tup
         with StepProgress(console, "compare runs", len(specs), every_s=0.0) as bar:  # a line per finished run
             for spec, code, secs in pool.map(one, specs):
                 results.append((spec, code, secs))
-                status = "ok" if code == 0 else f"FAILED (exit {code}, see {spec.run_dir.name}.train.log)"
+                status = "ok" if code == 0 else f"FAILED (exit {code}, see {spec.log})"
                 bar.update(len(results), info=f"{spec.name} {status} {secs:.0f}s")
     except BaseException:
         with lock:
