@@ -394,6 +394,10 @@ def check_combinations(cfg: TrainConfig, method, task):
         raise ConfigError(f"group_size = {cfg.group_size} is not allowed with advantage {adv!r} (k = "
                           f"{method.advantage.params['k']}): pass@k needs k < group_size, else every k-subset is "
                           "the whole group and every advantage is 0")
+    if "k_below_group" in ADVANTAGES.spec(adv).tags and cfg.sampler == "tree":
+        raise ConfigError(f"sampler = 'tree' is not allowed with advantage {adv!r}: the tree sampler's groups (probes, "
+                          "sibling continuations) have 2 to group_size rollouts, and a group of k or fewer gets pass@k "
+                          "advantage 0 on every rollout (allowed: sampler 'uniform')")
     if not method.needs_values and cfg.critic != default.critic:  # name the critic setting that was given
         given, defaults = flat(cfg), flat(default)
         name = next(n for n in ("critic_lr", "value_clip", "value_loss_agg")

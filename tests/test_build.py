@@ -113,6 +113,14 @@ def test_gdpo_channels_and_the_tree_are_refused_together(tiny_model, tmp_path):
                   "--reward-funcs", "task,tests.reward_fns:digit_fraction"], tmp_path)
 
 
+def test_pass_at_k_and_the_tree_are_refused_together(tiny_model, tmp_path):
+    """The tree's groups have 2 to group_size rollouts; pass@k gives a group of k or fewer advantage 0 everywhere
+    (a root group of 3 with rewards [1, 0, 0]: [0, 0, 0] at k = 4), so most tree groups trained on nothing."""
+    with pytest.raises(ConfigError, match=r"^sampler = 'tree' is not allowed with advantage 'passk'"):
+        _resolve(["--model", tiny_model, "--method", "passk", "--sampler", "tree"], tmp_path)
+    _resolve(["--model", tiny_model, "--method", "passk"], tmp_path)
+
+
 def test_toml_tables_name_features_and_unknown_keys_are_refused(tmp_path):
     good, bad = tmp_path / "good.toml", tmp_path / "bad.toml"
     good.write_text('steps = 3\nsampler = "tree"\n[tree]\nroots = "sample"\nbranch = false\n')

@@ -176,6 +176,33 @@ def test_untagged_trust_regions_break_zero_advantage_inertness(name):
     assert _zero_adv_rows_break(method) > 1e-9
 
 
+@pytest.mark.parametrize("name", [s.name for s in TRUST_REGIONS if "ignores_ratio" in s.tags])
+def test_trust_regions_that_ignore_the_ratio_give_one_loss_for_every_ratio_and_anchor(name):
+    """What lets --ratio and --anchor be refused with them (method_checks.check_overrides): the loss and its gradient
+    are the same whichever ratio and anchor feed it, over policies that differ (pi_theta, pi_old, mu, ref)."""
+    inp = make_inputs(seed=5, spread=1.0)
+    losses = []
+    for ratio in RATIOS.names():
+        for anchor in ("old", "rollout"):
+            method = dataclasses.replace(_method(name, ratio), anchor=anchor)
+            loss = policy_loss(inp, method).loss
+            losses.append((loss.detach(), torch.autograd.grad(loss, inp.topk_logp)[0]))
+    for loss, grad in losses[1:]:
+        torch.testing.assert_close(loss, losses[0][0], rtol=0, atol=0)
+        torch.testing.assert_close(grad, losses[0][1], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", ["clip", "cispo", "dppo_tv"])
+def test_trust_regions_that_read_the_ratio_differ_by_ratio_or_anchor(name):
+    """The check above can fail: a trust region that reads the ratio gives another loss under another ratio or
+    anchor."""
+    assert "ignores_ratio" not in TRUST_REGIONS.spec(name).tags
+    inp = make_inputs(seed=5, spread=1.0)
+    losses = {policy_loss(inp, dataclasses.replace(_method(name, r), anchor=a)).loss.item()
+              for r in ("token", "sequence") for a in ("old", "rollout")}
+    assert len(losses) > 1
+
+
 @pytest.mark.parametrize("name", RATIOS.names())
 def test_ratio_is_zero_at_same_policy_and_ignores_padding(name):
     inp = make_inputs(seed=6, same_policies=True)

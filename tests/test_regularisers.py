@@ -189,6 +189,13 @@ def test_settings_that_cannot_act_are_refused_in_one_line(changes, match):
     ("grpo", {"kl_coef": float("nan")}, "kl_coef = nan must be a finite number >= 0"),
     ("reinforce", {"trust_region": "clip:eps_low=0.01"}, "trust_region = 'clip' has no effect with ratio 'on_policy'"),
     ("rloo", {"anchor": "rollout"}, "anchor = 'rollout' has no effect with ratio 'on_policy'"),
+    # a preference loss never reads the ratio: both ran labelled dpo+sequence+anchor=rollout, trained as dpo
+    ("dpo", {"ratio": "sequence"}, "ratio = 'sequence' has no effect with trust_region 'dpo'"),
+    ("kto", {"anchor": "rollout"}, "anchor = 'rollout' has no effect with trust_region 'kto'"),
+    ("grpo", {"trust_region": "simpo", "ratio": "sequence"}, "ratio = 'sequence' has no effect with trust_region"),
+    # a part given twice acted twice: tis weights e^0.5 * e^0.5 past its cap; rewards shaped twice
+    ("grpo", {"correction": ["tis", "tis"]}, "correction 'tis' is given twice"),
+    ("dapo", {"shaper": ["overlong_soft", "overlong_soft:penalty=2"]}, "shaper 'overlong_soft' is given twice"),
 ])
 def test_overrides_the_method_would_not_act_on_are_refused(preset, changes, match):
     """Each of these ran before and trained exactly as the preset (the auditor compared the metrics)."""

@@ -7,7 +7,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from polyrl.registry import TRUST_REGIONS, PartError, PartLike
+from polyrl.registry import TRUST_REGIONS, Part, PartError, PartLike
 
 
 def check_settings(name: str, kl: PartLike | None, kl_coef: Any, kl_placement: Any, anchor: Any,
@@ -23,6 +23,17 @@ def check_settings(name: str, kl: PartLike | None, kl_coef: Any, kl_placement: A
         raise PartError(f"method {name!r}: ref_sync_every = {ref_sync_every!r} must be an integer >= 0")
     if kl_coef > 0 and kl is None:
         raise PartError(f"method {name!r}: kl_coef = {kl_coef} needs a KL estimator (kl=k1|k2|k3|...)")
+
+
+def check_once(name: str, lists: Mapping[str, list[Part]]) -> None:
+    """Refuse a part named twice in a list (corrections, shapers, filters): it would act twice (two importance
+    weights multiplied, a reward shaped twice) and the second's metrics overwrite the first's."""
+    for kind, parts in lists.items():
+        names = [p.name for p in parts]
+        twice = next((n for n in names if names.count(n) > 1), None)
+        if twice is not None:
+            raise PartError(f"method {name!r}: {kind} {twice!r} is given twice; each {kind} acts once (give it once, "
+                            "with the settings you want)")
 
 
 def moot_on_policy(trust_region: str) -> bool:
@@ -42,6 +53,12 @@ def check_overrides(method: Any, changes: Mapping[str, Any]) -> None:
     if changes.get("kl_placement", "loss") != "loss" and not has_kl:
         raise PartError(f"method {method.name!r}: kl_placement = {changes['kl_placement']!r} has no effect without "
                         "a KL term (kl=... with kl_coef > 0)")
+    tr = method.trust_region.name
+    if "ignores_ratio" in TRUST_REGIONS.spec(tr).tags:  # a preference loss reads log-probs, never the ratio
+        given = [f"{k} = {changes[k]!r}" for k in ("ratio", "anchor") if k in changes]
+        if given:
+            raise PartError(f"method {method.name!r}: {' and '.join(given)} has no effect with trust_region {tr!r} "
+                            "(its loss compares the policy's and the reference's log-probs, not a ratio)")
     if method.ratio.name != "on_policy":
         return
     if changes.get("anchor", "old") != "old":

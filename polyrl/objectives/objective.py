@@ -15,7 +15,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from polyrl.objectives.method_checks import check_overrides, check_settings
+from polyrl.objectives.method_checks import check_once, check_overrides, check_settings
 from polyrl.objectives.regularisers import check_regularisers, high_entropy_mask
 from polyrl.registry import (
     ADVANTAGES,
@@ -161,21 +161,25 @@ def build_method(
     check_settings(name, kl, kl_coef, kl_placement, anchor, ref_sync_every)
     check_regularisers(name, kl is not None and kl_coef > 0, kl_target, kl_horizon, entropy_coef, entropy_target,
                         entropy_delta, entropy_coef_max, entropy_top)
+    lists = {"correction": [resolve_part(CORRECTIONS, c) for c in corrections],
+             "shaper": [resolve_part(SHAPERS, s) for s in shapers],
+             "filter": [resolve_part(FILTERS, f) for f in filters]}
+    check_once(name, lists)
     return Method(
         name=name,
         advantage=resolve_part(ADVANTAGES, advantage),
         ratio=resolve_part(RATIOS, ratio),
         trust_region=resolve_part(TRUST_REGIONS, trust_region),
         aggregation=resolve_part(AGGREGATIONS, aggregation),
-        corrections=tuple(resolve_part(CORRECTIONS, c) for c in corrections),
+        corrections=tuple(lists["correction"]),
         kl=None if kl is None else resolve_part(KL, kl),
         kl_coef=float(kl_coef),
         kl_placement=kl_placement,
         kl_target=float(kl_target),
         kl_horizon=kl_horizon, entropy_coef=float(entropy_coef), entropy_target=float(entropy_target),
         entropy_delta=float(entropy_delta), entropy_coef_max=float(entropy_coef_max), entropy_top=float(entropy_top),
-        shapers=tuple(resolve_part(SHAPERS, s) for s in shapers),
-        filters=tuple(resolve_part(FILTERS, f) for f in filters),
+        shapers=tuple(lists["shaper"]),
+        filters=tuple(lists["filter"]),
         anchor=anchor,
         ref_sync_every=ref_sync_every,
         paper=paper,

@@ -99,8 +99,10 @@ def _band(z: Tensor, mask: Tensor, lo: float, hi: float) -> tuple[Tensor, Tensor
 
 _DPO = {"beta": ">0"}
 _BAND = {"log_eps_p": "<=0", "log_eps_r": ">=0"}
-# "labels": each sequence's advantage is read as its preference label (its order in the group, or its sign)
-_TAGS = ("needs_ref", "whole_groups", "labels")
+# "labels": each sequence's advantage is read as its preference label (its order in the group, or its sign);
+# "ignores_ratio": the loss reads log-probs (the policy's, the reference's), never log_ratio: --ratio and --anchor
+# change nothing, so they are refused (tests/test_contract.py checks it)
+_TAGS = ("needs_ref", "whole_groups", "labels", "ignores_ratio")
 
 
 @TRUST_REGIONS.register("dpo", paper="arXiv:2305.18290", ranges=_DPO, tags=_TAGS)
@@ -129,7 +131,7 @@ def ipo(inp: LossInputs, log_ratio: Tensor, *, beta: float = 0.1,
 
 
 @TRUST_REGIONS.register("simpo", paper="arXiv:2405.14734", ranges={"beta": ">0", "gamma": ">=0"},
-                        tags=("whole_groups", "labels"))
+                        tags=("whole_groups", "labels", "ignores_ratio"))
 def simpo(inp: LossInputs, log_ratio: Tensor, *, beta: float = 2.0, gamma: float = 1.0,
           pairs: Pairs = "all") -> tuple[Tensor, dict[str, Tensor]]:
     """SimPO: -log sigmoid(beta (s_c - s_r) - gamma), s = mean_t lp_t, with no reference model.
@@ -172,7 +174,7 @@ def _kto(inp: LossInputs, h: Tensor, beta: float, desirable_weight: float,
 _KTO = {"beta": ">0", "desirable_weight": ">=0", "undesirable_weight": ">=0"}
 
 
-@TRUST_REGIONS.register("kto", paper="arXiv:2402.01306", ranges=_KTO, tags=("needs_ref", "labels"))
+@TRUST_REGIONS.register("kto", paper="arXiv:2402.01306", ranges=_KTO, tags=("needs_ref", "labels", "ignores_ratio"))
 def kto(inp: LossInputs, log_ratio: Tensor, *, beta: float = 0.1, desirable_weight: float = 1.0,
         undesirable_weight: float = 1.0) -> tuple[Tensor, dict[str, Tensor]]:
     """Kahneman-Tversky Optimization: w_D (1 - sigmoid(beta (h - z0))) if desirable, w_U (1 - sigmoid(beta (z0 - h))).
@@ -187,7 +189,7 @@ def kto(inp: LossInputs, log_ratio: Tensor, *, beta: float = 0.1, desirable_weig
 
 
 @TRUST_REGIONS.register("humanline_kto", paper="arXiv:2509.24207", ranges={**_KTO, **_BAND},
-                        tags=("needs_ref", "labels"))
+                        tags=("needs_ref", "labels", "ignores_ratio"))
 def humanline_kto(inp: LossInputs, log_ratio: Tensor, *, beta: float = 0.1, desirable_weight: float = 1.0,
                   undesirable_weight: float = 1.0, log_eps_p: float = -1.0,
                   log_eps_r: float = 1.5) -> tuple[Tensor, dict[str, Tensor]]:
