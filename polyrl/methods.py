@@ -14,20 +14,37 @@ from typing import Any
 
 from polyrl import objectives, shaping  # noqa: F401  (imported to register every part)
 from polyrl.objectives import Method, build_method, override
-from polyrl.registry import Part, unknown
+from polyrl.registry import Part, PartError, defined_in, unknown
 
 PRESETS: dict[str, Callable[[], Method]] = {}
 
 
 def preset(fn: Callable[[], Method]) -> Callable[[], Method]:
-    """Register a preset under its function name; its docstring becomes the method's summary."""
+    """Register a preset under its function name; its docstring becomes the method's summary.
+
+    Built once here, so that a plugin's broken preset is refused where it is defined, in one line naming it (built
+    lazily, it broke `polyrl methods`, `parts` and `docs` with a message naming neither it nor its file); a name
+    already taken (a built-in's: a plugin silently replaced grpo) or a method named otherwise than its preset
+    (listed by `methods`, unknown to `explain`) is refused too.
+    """
+    name, where = fn.__name__, defined_in(fn)
+    if name in PRESETS:
+        raise PartError(f"preset {name!r} is registered twice, by {PRESETS[name].origin} and by {where}; give one of "
+                        "them another name")
     summary = " ".join((fn.__doc__ or "").split())
 
     def build() -> Method:
         return replace(fn(), summary=summary)
 
-    build.__doc__ = fn.__doc__
-    PRESETS[fn.__name__] = build
+    try:
+        built = build()
+    except PartError as e:
+        raise PartError(f"preset {name!r} ({where}): {e}") from None
+    if built.name != name:
+        raise PartError(f"preset {name!r} ({where}) builds a method named {built.name!r}; name it {name!r}, as "
+                        "`polyrl explain` and --method look it up by the preset's name")
+    build.__doc__, build.origin = fn.__doc__, where
+    PRESETS[name] = build
     return fn
 
 

@@ -44,7 +44,7 @@ class Part:
         return self.name + ":" + ",".join(f"{k}={_fmt(v)}" for k, v in self.params.items())
 
 
-def _origin(fn: Callable[..., Any]) -> str:
+def defined_in(fn: Callable[..., Any]) -> str:
     """Where ``fn`` was defined, for a message: a plugin file's path (its module's name is private), else the module."""
     module = sys.modules.get(fn.__module__)
     path = getattr(module, "__file__", None)
@@ -172,8 +172,9 @@ def _coerce(value: Any, tp: Any) -> Any:
 class Registry:
     """Name -> part function, for one kind of part (advantage, trust_region, ...)."""
 
-    def __init__(self, kind: str):
+    def __init__(self, kind: str, positional: int):
         self.kind = kind
+        self.positional = positional  # the positional arguments every call passes (the kind's signature)
         self._specs: dict[str, PartSpec] = {}
 
     def register(
@@ -189,9 +190,22 @@ class Registry:
 
         def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
             if name in self._specs:  # a plugin loads before the built-ins: name both, so the message names the plugin
-                raise PartError(f"{self.kind} {name!r} is registered twice, by {_origin(self._specs[name].fn)} and "
-                                f"by {_origin(fn)}; give one of them another name")
+                raise PartError(f"{self.kind} {name!r} is registered twice, by {defined_in(self._specs[name].fn)} "
+                                f"and by {defined_in(fn)}; give one of them another name")
             sig = inspect.signature(fn)
+            given = [p for p in sig.parameters.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+            required = [p for p in given if p.default is p.empty]
+            if not (len(required) <= self.positional
+                    and (len(given) >= self.positional
+                         or any(p.kind is p.VAR_POSITIONAL for p in sig.parameters.values()))):
+                # a plugin's part with another signature failed with a TypeError deep in the first training step
+                raise PartError(f"{self.kind} {name!r} ({defined_in(fn)}) takes {len(required)} to {len(given)} "
+                                f"positional arguments; a {self.kind} is called with {self.positional} (see "
+                                "polyrl/registry.py), settings keyword-only after *")
+            bad_rule = next((r for r in (ranges or {}).values() if not _RANGE.match(str(r).strip())), None)
+            if bad_rule is not None:
+                raise PartError(f"{self.kind} {name!r} ({defined_in(fn)}): range rule {bad_rule!r} is not one of "
+                                "'>=x', '>x', '<=x', '<x', '[a, b]', '(a, b)', '[a, b)', '(a, b]'")
             hints = typing.get_type_hints(fn)
             settings = {k: p for k, p in sig.parameters.items() if p.kind is inspect.Parameter.KEYWORD_ONLY}
             for k, p in settings.items():
@@ -308,13 +322,14 @@ def parse_part(text: str) -> tuple[str, dict[str, str]]:
 
 # One registry per kind of part (ARCHITECTURE.md section 1). Signatures, tensors [B, T] unless noted:
 # (rewards [B] | [B, C], group_ids [B], mask, values=None, token_rewards=None) -> adv [B] | [B, T]
-ADVANTAGES = Registry("advantage")
-RATIOS = Registry("ratio")  # (logp, anchor_logp, mask, segment_ids, turn_ids) -> log_ratio [B, T]
-TRUST_REGIONS = Registry("trust_region")  # (LossInputs, log_ratio) -> (per_token_loss [B, T], metrics)
-CORRECTIONS = Registry("correction")  # (old_logp, rollout_logp, mask, adv) -> detached weights [B, T]
-KL = Registry("kl")  # (logp, ref_logp, old_logp) -> kl [B, T]
-AGGREGATIONS = Registry("aggregation")  # (per_token_loss, mask, Normalizer, group_tokens [B] | None) -> []
-SHAPERS = Registry("shaper")  # (rewards [B], lengths [B], truncated [B]) -> rewards [B]
-FILTERS = Registry("filter")  # (rewards [B], group_ids [B], truncated [B], history) -> keep [B] bool
+# (rewards [B], group_ids [B], mask [B, T], values [B, T] | None, token_rewards [B, T] | None[, greedy or OTB inputs])
+ADVANTAGES = Registry("advantage", 5)
+RATIOS = Registry("ratio", 5)  # (logp, anchor_logp, mask, segment_ids, turn_ids) -> log_ratio [B, T]
+TRUST_REGIONS = Registry("trust_region", 2)  # (LossInputs, log_ratio) -> (per_token_loss [B, T], metrics)
+CORRECTIONS = Registry("correction", 4)  # (old_logp, rollout_logp, mask, adv) -> detached weights [B, T]
+KL = Registry("kl", 3)  # (logp, ref_logp, old_logp) -> kl [B, T]
+AGGREGATIONS = Registry("aggregation", 4)  # (per_token_loss, mask, Normalizer, group_tokens [B] | None) -> []
+SHAPERS = Registry("shaper", 4)  # (rewards [B], lengths [B], truncated [B], max_new_tokens) -> rewards [B]
+FILTERS = Registry("filter", 4)  # (rewards [B], group_ids [B], truncated [B], history) -> keep [B] bool
 
 ALL_REGISTRIES = (ADVANTAGES, RATIOS, TRUST_REGIONS, CORRECTIONS, KL, AGGREGATIONS, SHAPERS, FILTERS)

@@ -726,3 +726,26 @@ def test_a_failed_compare_run_names_its_log_where_it_is(tmp_path, monkeypatch):
     assert [code for _, code, _ in lab.run_all([spec], workers=1, console=Console(file=text, width=300))] == [3]
     assert f"FAILED (exit 3, see {tmp_path / 'grpo' / 'seed0.train.log'})" in text.getvalue()
     assert (tmp_path / "grpo" / "seed0.train.log").read_text().strip().endswith("boom")
+
+
+@pytest.mark.parametrize("body, words", [
+    # it silently replaced the built-in: `--method grpo` ran the plugin's RLOO
+    ("@preset\ndef grpo():\n    '''Mine.'''\n    return build_method('grpo', advantage='rloo', trust_region='clip', "
+     "aggregation='token_mean')\n", ["preset 'grpo' is registered twice, by polyrl.methods and by"]),
+    # built lazily, it broke `methods`, `parts` and `docs` with a message naming neither the preset nor the file
+    ("@preset\ndef bad():\n    '''Bad.'''\n    return build_method('bad', advantage='grpo', "
+     "trust_region='clip:eps_hgih=0.3', aggregation='token_mean')\n", ["preset 'bad' (", "unknown parameter 'eps_hgih'"]),
+    # listed by `methods` as bar, unknown to `explain bar`
+    ("@preset\ndef foo():\n    '''Foo.'''\n    return build_method('bar', advantage='grpo', trust_region='clip', "
+     "aggregation='token_mean')\n", ["preset 'foo' (", "builds a method named 'bar'"]),
+])
+def test_a_plugin_preset_that_cannot_be_used_as_given_is_refused_where_it_is_defined(tmp_path, body, words):
+    import subprocess
+    import sys
+
+    plugin = tmp_path / "presets.py"
+    plugin.write_text("from polyrl.methods import preset\nfrom polyrl.objectives import build_method\n\n" + body)
+    proc = subprocess.run([sys.executable, "-m", "polyrl.cli", "--plugin", str(plugin), "parts", "advantage"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert str(plugin) in proc.stderr and all(w in proc.stderr for w in words), proc.stderr

@@ -214,7 +214,8 @@ def test_reports_draw_their_figures_into_out_and_copy_them_to_docs(tmp_path):
     out.mkdir()
     write_reports(_results("holds", None), CLAIMS, out, docs=docs)
     assert "evidence/dapo_clip_higher.png" in (out / "evidence.md").read_text()
-    assert (out / "evidence" / "dapo_clip_higher.png").exists() and (docs / "evidence" / "dapo_clip_higher.png").exists()
+    assert (out / "evidence" / "dapo_clip_higher.png").exists()
+    assert (docs / "evidence" / "dapo_clip_higher.png").exists()
     assert (docs / "evidence.md").read_text() == (out / "evidence.md").read_text()
 
 

@@ -212,7 +212,8 @@ def test_ippo_critic_differs_and_trains(tmp_path):
 @pytest.mark.parametrize("flags, field", [
     (["--teams", "3,9"], "teams"), (["--teams", "a"], "teams"),
     (["--teams", "5"], "teams = '5' is not allowed (held out: 5)"), (["--lr", "-1"], "lr"), (["--gamma", "2"], "gamma"),
-    (["--envs", "0"], "envs"), (["--hidden", "1"], "hidden = 1 is not allowed; allowed: an integer >= 2"), (["--method", "qmix"], "method"), (["--minibatches", "99"], "minibatches")])
+    (["--envs", "0"], "envs"), (["--hidden", "1"], "hidden = 1 is not allowed; allowed: an integer >= 2"),
+    (["--method", "qmix"], "method"), (["--minibatches", "99"], "minibatches")])
 def test_bad_settings_one_line_errors(flags, field):
     with pytest.raises(ConfigError) as e:
         check_train_flags(flags)

@@ -14,7 +14,7 @@ from polyrl.registry import TRUST_REGIONS, PartError, Registry, parse_part
 
 @pytest.fixture()
 def reg():
-    r = Registry("widget")
+    r = Registry("widget", 1)
 
     @r.register("w", ranges={"eps": ">=0", "p": "[0, 1]"},
                 check=lambda p: "lo must not exceed hi" if p["lo"] > p["hi"] else None)
@@ -62,7 +62,7 @@ def test_unknown_part_suggests_the_nearest(reg):
 
 
 def test_registration_requires_typed_defaults():
-    r = Registry("x")
+    r = Registry("x", 1)
     with pytest.raises(ValueError, match="needs a default"):
         r.register("a")(lambda t, *, eps: t)
 
@@ -118,3 +118,30 @@ def test_user_part_registers_and_composes():
     torch.testing.assert_close(g[..., 0], -inp.adv * inp.mask / inp.normalizer.num_tokens)
     with pytest.raises(PartError, match="'scale' = 0"):
         build_method("mine", advantage="grpo", trust_region=f"{name}:scale=0", aggregation="token_mean")
+
+
+def test_registration_refuses_a_signature_the_kind_is_not_called_with_and_a_bad_range_rule():
+    """A plugin trust region without log_ratio was accepted and failed with a TypeError in the first training step;
+    ranges={"scale": "positive"} failed with a ValueError traceback when a value was checked."""
+    r = Registry("trust_region", 2)
+    with pytest.raises(PartError, match=r"^trust_region 'one' \(.*\) takes 1 to 1 positional arguments; a "
+                                        r"trust_region is called with 2"):
+        r.register("one")(lambda inp, *, scale=1.0: inp)  # its settings are never reached
+    with pytest.raises(PartError, match="takes 3 to 3 positional arguments"):
+        r.register("three")(lambda inp, log_ratio, extra, *, scale=1.0: inp)
+
+    def scaled(inp, log_ratio, *, scale: float = 1.0):
+        return inp
+
+    with pytest.raises(PartError, match=r"range rule 'positive' is not one of"):
+        r.register("bad_rule", ranges={"scale": "positive"})(scaled)
+    r.register("ok", ranges={"scale": "(0, 10]"})(scaled)
+
+    def optional(inp, log_ratio, spare=None, *, scale: float = 1.0):  # called with 2 of its 2 to 3: fine
+        return inp
+
+    def varargs(*args, scale: float = 1.0):
+        return args
+
+    r.register("optional")(optional)
+    r.register("varargs")(varargs)

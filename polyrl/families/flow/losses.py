@@ -27,7 +27,7 @@ from polyrl.objectives.advantages import rloo
 from polyrl.registry import Registry
 
 LOG_RATIO_CLAMP = 20.0
-FLOW_LOSSES = Registry("flow_loss")  # (FlowLossInputs) -> (scalar loss, metrics)
+FLOW_LOSSES = Registry("flow_loss", 1)  # (FlowLossInputs) -> (scalar loss, metrics)
 
 
 def step_kl(mean_p: Tensor, mean_q: Tensor, std: Tensor, reduce: Literal["mean", "sum"] = "mean") -> Tensor:
