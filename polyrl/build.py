@@ -134,6 +134,7 @@ def resolve_train(args: argparse.Namespace, *, claim: Callable[[str], None] | No
     _recover_replaced(run_dir, notes)  # before anything reads the run directory (its config.json for --resume)
     if given.resume and not given.overwrite:
         values, overrides, changes = _resume_settings(run_dir, values, overrides, notes)
+        _check_plugins(run_dir, getattr(args, "plugin", None) or [])
     cfg = build_config(values, strict=False)  # on resume, the run's saved record (an older polyrl's names too)
     cfg.run_dir = run_dir
     _processes_from_launcher(cfg, getattr(args, "nproc", None) is not None)
@@ -463,6 +464,23 @@ def _check_actor_gpus(cfg: TrainConfig, where) -> None:
                           f"{actors} rollout actor(s) need {need:g} GPU(s), and the {cfg.scale.nproc} training "
                           f"process(es) (device = {cfg.scale.device!r}) take {cfg.scale.nproc} of this machine's "
                           f"{torch.cuda.device_count()}; use --device cpu, or fewer or smaller actors")
+
+
+def plugin_names(given: list[str]) -> list[str]:
+    """The --plugin modules as a run records them: a .py file by its absolute path, a module by its name."""
+    return [str(Path(m).resolve()) if m.endswith(".py") else m for m in given]
+
+
+def _check_plugins(run_dir: str, given: list[str]) -> None:
+    """Refuse a resume without a --plugin the run was trained with: its parts would be unknown (the message said
+    "unknown trust_region 'mine' (did you mean 'clip'?)", as if the run had a typo)."""
+    from polyrl.runs import CONFIG, saved_record
+
+    missing = [m for m in (saved_record(run_dir) or {}).get("plugins", []) if m not in plugin_names(given)]
+    if missing:
+        flags = " ".join(f"--plugin {m}" for m in missing)
+        raise ConfigError(f"run_dir = {run_dir!r} was trained with {flags} ({run_dir}/{CONFIG}); resume it with "
+                          f"`polyrl {flags} train --resume ...`")
 
 
 def _resume_settings(run_dir: str, values: dict[str, Any], overrides: dict[str, Any], notes: list[str]):

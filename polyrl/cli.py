@@ -29,6 +29,7 @@ from polyrl.build import (
     add_train_args,
     method_from_overrides,
     part_changes,
+    plugin_names,
     resolve_train,
 )
 from polyrl.config import ConfigError
@@ -341,7 +342,8 @@ def _train_plan(args: argparse.Namespace, plan: TrainPlan, release=lambda: None)
     else:
         from polyrl.tasks.chat import read_template
 
-        record = {"config": to_dict(cfg), "method": method_dict(method), "overrides": plan.overrides}
+        record = {"config": to_dict(cfg), "method": method_dict(method), "overrides": plan.overrides,
+                  "plugins": plugin_names(args.plugin)}  # a resume needs them again
         template = read_template(cfg.data.chat_template)  # its text, for the export (the file may move or change)
         write_record(run_dir, record if template is None else {**record, "chat_template_text": template})
         console.print_json(json.dumps(to_dict(cfg)))
@@ -454,7 +456,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
                           "no run can ever reach it)")
     per_method = parse_method_args(args.method_args, methods)
     # every run loads the --plugin modules this command loaded (its presets and parts were checked with them)
-    plugins = tuple(a for m in args.plugin for a in ("--plugin", str(Path(m).resolve()) if m.endswith(".py") else m))
+    plugins = tuple(a for m in plugin_names(args.plugin) for a in ("--plugin", m))
     refuse_run_flags(args.extra, "train flags")  # compare sets these per run: given again, they would win
     for method, flags in per_method.items():
         refuse_run_flags(flags, f"method_args for {method!r}")

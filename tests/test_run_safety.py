@@ -880,3 +880,28 @@ def test_a_resume_from_flag_wins_over_a_toml_resume_false(run, tmp_path, capsys)
                       run / "checkpoints" / "step_000002", "--steps", "3"], capsys)
     assert code == 0, err
     assert json.loads((run / "summary.json").read_text())["steps"] == 3
+
+
+def test_a_resume_without_the_runs_plugin_names_the_plugin(tmp_path, tiny_model):
+    """It said "unknown trust_region 'resume_tr' (did you mean ...?)", as if the run had a typo: config.json did not
+    record the --plugin the run was trained with."""
+    import subprocess
+    import sys
+
+    plugin = tmp_path / "resume_parts.py"
+    plugin.write_text("from polyrl.registry import TRUST_REGIONS\n\n@TRUST_REGIONS.register('resume_tr')\n"
+                      "def resume_tr(inp, log_ratio):\n    return -log_ratio.exp() * inp.adv, {}\n")
+    run = tmp_path / "r"
+
+    def polyrl(*argv):
+        return subprocess.run([sys.executable, "-m", "polyrl.cli", *map(str, argv)], capture_output=True, text=True,
+                              timeout=300)
+
+    first = polyrl("--plugin", plugin, *_small(tiny_model, run), "--steps", "1", "--trust-region", "resume_tr")
+    assert first.returncode == 0, first.stderr
+    assert json.loads((run / "config.json").read_text())["plugins"] == [str(plugin)]
+    refused = polyrl("train", "--resume", "--steps", "2", "--run-dir", run)
+    assert refused.returncode == 2 and refused.stderr.count("\n") == 1, refused.stderr
+    assert f"was trained with --plugin {plugin}" in refused.stderr and "--resume" in refused.stderr
+    resumed = polyrl("--plugin", plugin, "train", "--resume", "--steps", "2", "--run-dir", run)
+    assert resumed.returncode == 0, resumed.stderr
