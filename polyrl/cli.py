@@ -187,7 +187,10 @@ def load_plugin(module: str) -> None:
     try:
         import_module_or_file(module)
     except Exception as e:  # a missing module, a syntax error or a module that raises while it loads
-        raise PartError(f"--plugin {module!r} could not be imported: {type(e).__name__}: {e}") from None
+        here = Path(module.replace(".", "/") + ".py")
+        hint = (f" (the `polyrl` command does not import from the current directory: give the file, --plugin {here})"
+                if isinstance(e, ModuleNotFoundError) and e.name == module.split(".")[0] and here.is_file() else "")
+        raise PartError(f"--plugin {module!r} could not be imported: {type(e).__name__}: {e}{hint}") from None
 
 
 def cache_dir() -> Path:
@@ -410,7 +413,11 @@ class OneLineParser(argparse.ArgumentParser):
         options = [s for action in self.command_parser(args)._actions for s in action.option_strings]
         words, value_may_follow = [], False
         for token in extra:
-            if token.startswith("--") or (token.startswith("-") and token[1:2].isalpha()):
+            if token.split("=", 1)[0] == "--plugin":  # polyrl's own option, parsed before the command
+                command = getattr(args, "command", None) or "COMMAND"
+                words.append(f"{token} (it goes before the command: polyrl --plugin MODULE {command} ...)")
+                value_may_follow = "=" not in token
+            elif token.startswith("--") or (token.startswith("-") and token[1:2].isalpha()):
                 near = difflib.get_close_matches(token.split("=", 1)[0], options, n=1)
                 words.append(token + (f" (did you mean {near[0]}?)" if near else ""))
                 value_may_follow = "=" not in token

@@ -749,3 +749,21 @@ def test_a_plugin_preset_that_cannot_be_used_as_given_is_refused_where_it_is_def
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
     assert str(plugin) in proc.stderr and all(w in proc.stderr for w in words), proc.stderr
+
+
+def test_plugin_usage_mistakes_say_what_to_do(tmp_path, capsys, monkeypatch):
+    """`polyrl train --plugin x.py` said only "unrecognized arguments: --plugin" (it goes before the command; in
+    compare it was an AttributeError traceback), and `polyrl --plugin my_parts` for ./my_parts.py "No module named"
+    (the console script does not import from the current directory)."""
+    with pytest.raises(SystemExit) as e:  # argparse's usage error
+        main(["train", "--plugin", "x.py", "--steps", "1"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "unrecognized arguments: --plugin (it goes before the command: polyrl --plugin MODULE train ...)" in err
+    assert main(["compare", "--methods", "grpo", "--plugin", "x.py", "--out", str(tmp_path / "c")]) == 2
+    one_line_error(capsys, "--plugin (it goes before the command")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "my_local_parts.py").write_text("X = 1\n")
+    monkeypatch.setattr("sys.path", [p for p in __import__("sys").path if p not in ("", ".", str(tmp_path))])
+    assert main(["--plugin", "my_local_parts", "methods"]) == 2
+    one_line_error(capsys, "No module named 'my_local_parts'", "give the file, --plugin my_local_parts.py")

@@ -17,12 +17,14 @@ class TreeConfig:
     candidates: float = 2.0
     """tree sampler: candidate prompts drawn per group slot (the allocation may skip some)"""
     prune: float = 0.05
-    """tree sampler: anchors predicted to succeed with p < prune or p > 1 - prune get no rollouts (with
-    tree_roots = 'sample' only prefixes are pruned: every prompt keeps a chance to be drawn)"""
+    """tree sampler: prompts predicted to succeed with p < prune or p > 1 - prune get no probe, and prefixes so
+    predicted no continuations (with tree_roots = 'sample' only prefixes are pruned: every prompt keeps a chance to be
+    drawn); a prompt already probed is extended by expected gain alone, whatever its updated estimate"""
     half_life: float = 0.0
     """tree sampler: steps after which a prompt's pass-rate history counts half (0 = it never ages)"""
     max_group: int = 0
-    """tree sampler: most rollouts of one prompt in a step, probes and extensions together (0 = 2 x group size)"""
+    """tree sampler: most rollouts in one prompt's root group in a step, its probe and the roots added to it (0 = 2 x
+    group size); continuations below a prefix form sibling groups of their own, each at most the group size"""
     predictor: Literal["history", "shared", "likelihood"] = "history"
     """tree sampler: a prompt's success prior from the pool (history) or also from prompts like it (shared: a
     regression on the policy's features of the prompt, so unseen prompts are predicted too); likelihood: the policy's
