@@ -734,7 +734,8 @@ def test_a_failed_compare_run_names_its_log_where_it_is(tmp_path, monkeypatch):
      "aggregation='token_mean')\n", ["preset 'grpo' is registered twice, by polyrl.methods and by"]),
     # built lazily, it broke `methods`, `parts` and `docs` with a message naming neither the preset nor the file
     ("@preset\ndef bad():\n    '''Bad.'''\n    return build_method('bad', advantage='grpo', "
-     "trust_region='clip:eps_hgih=0.3', aggregation='token_mean')\n", ["preset 'bad' (", "unknown parameter 'eps_hgih'"]),
+     "trust_region='clip:eps_hgih=0.3', aggregation='token_mean')\n",
+     ["preset 'bad' (", "unknown parameter 'eps_hgih'"]),
     # listed by `methods` as bar, unknown to `explain bar`
     ("@preset\ndef foo():\n    '''Foo.'''\n    return build_method('bar', advantage='grpo', trust_region='clip', "
      "aggregation='token_mean')\n", ["preset 'foo' (", "builds a method named 'bar'"]),
