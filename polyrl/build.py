@@ -131,7 +131,7 @@ def resolve_train(args: argparse.Namespace, *, claim: Callable[[str], None] | No
     check_out_dir(run_dir, "run_dir", try_making=False)
     if claim is not None:
         claim(run_dir)
-    _recover_replaced(run_dir, notes)  # before anything reads the run directory (its config.json for --resume)
+    _recover_replaced(run_dir, notes, given.overwrite)  # before anything reads the run dir (config.json for --resume)
     if given.resume and not given.overwrite:
         values, overrides, changes = _resume_settings(run_dir, values, overrides, notes)
         _check_plugins(run_dir, getattr(args, "plugin", None) or [])
@@ -274,15 +274,16 @@ def _check_data_prompts(task, tokenizer, max_new_tokens: int, context: int | Non
                               "max_new_tokens")
 
 
-def _recover_replaced(run_dir: str, notes: list[str]) -> None:
+def _recover_replaced(run_dir: str, notes: list[str], overwrite: bool) -> None:
     """An old run that a killed ``--overwrite`` left set aside is put back (or dropped, if its replacement had
     started) by rank 0 (``runs.recover_replaced``); the other ranks of a torchrun refuse rather than read the run
-    directory while it is being put back."""
+    directory while it is being put back. Under ``--overwrite`` they read nothing of the old run, and the run set
+    aside may be this command's own (rank 0 moves it before a late rank gets here): they leave it to rank 0."""
     from polyrl.launch import world
     from polyrl.runs import aside_path, recover_replaced
 
     if world()[0] != 0:
-        if (aside := aside_path(run_dir)).is_dir():
+        if not overwrite and (aside := aside_path(run_dir)).is_dir():
             raise ConfigError(f"run_dir = {run_dir!r}: an earlier --overwrite left the old run in {str(aside)!r}; "
                               "run `polyrl train` on it in one process first")
         return

@@ -255,10 +255,11 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from polyrl.launch import relaunches, world
+    from polyrl.launch import die_with_launcher, relaunches, world
     from polyrl.runs import run_lock, set_aside_run, signals_unwind
 
     global console
+    die_with_launcher()
     if world()[0] != 0:  # one rank of several speaks and writes the run directory: rank 0
         console = Console(quiet=True)
     with contextlib.ExitStack() as held:
@@ -651,6 +652,13 @@ def _out_of_memory(e: BaseException) -> bool:
         s in text for s in ("can't allocate memory", "not enough memory", "array is too big", "out of memory"))
 
 
+def _first_rank() -> bool:
+    """Rank 0 of a launch, or a process on its own."""
+    from polyrl.launch import world
+
+    return world()[0] == 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser()
@@ -679,7 +687,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return int(args.fn(args) or 0)
     except (PartError, ConfigError, CheckpointError, FileNotFoundError, RewardError) as e:
-        print(f"polyrl: error: {e}", file=sys.stderr)
+        if _first_rank():  # every rank of a launch refuses the same settings: one line, not one per rank
+            print(f"polyrl: error: {e}", file=sys.stderr)
         return 2
     except TrainingError as e:  # the run itself failed, not its configuration
         print(f"polyrl: training stopped: {e}", file=sys.stderr)

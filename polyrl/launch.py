@@ -73,9 +73,31 @@ def relaunch(nproc: int, argv: list[str]) -> int:
     # "--" keeps the launcher from reading polyrl's own flags (argparse would take --nproc for --nproc-per-node)
     args = get_args_parser().parse_args(["--standalone", "--nproc-per-node", str(nproc), "--module", "--", "polyrl",
                                          *argv])
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
     try:
         run(args)
-    except Exception as e:  # ChildFailedError: a rank failed; its own message was printed above
-        print(f"polyrl: a training process failed ({type(e).__name__}); see the messages above")
-        return 1
+    except SignalException as e:  # SIGTERM / Ctrl-C to the launcher: it stopped the ranks; exit as one process would
+        return 128 + int(e.sigval)
+    except ChildFailedError as e:  # a rank failed and printed why: exit with rank 0's code (the others may abort in
+        code = e.failures[min(e.failures)].exitcode  # a collective it left), as one process would
+        return 128 - code if code < 0 else code  # killed by a signal: its negative number, as the shell reports it
     return 0
+
+
+def die_with_launcher() -> None:
+    """Under a launcher, end (SIGTERM, which unwinds as Ctrl-C) when the launcher process dies: a SIGKILLed
+    ``--nproc`` launcher left its ranks training on, re-parented, writing and holding the run directory. Linux only
+    (prctl PR_SET_PDEATHSIG); elsewhere nothing changes."""
+    import signal
+    import sys
+
+    if not under_launcher() or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    parent = os.getppid()
+    ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))  # 1 = PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # it died before the request was in place
+        os.kill(os.getpid(), signal.SIGTERM)

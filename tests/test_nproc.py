@@ -74,3 +74,55 @@ def test_an_empty_step_keeps_every_process_in_step(model, tmp_path):
                   "tests.reward_fns:zero", "--max-gen-rounds", "1")
     steps = [r for r in rows if "rollout/empty_steps" in r]
     assert [r["rollout/empty_steps"] for r in steps] == [1, 2, 3]
+
+
+def _ranks_of(run_dir) -> list[int]:
+    """The pids of processes whose command line names ``run_dir`` (the launcher and its ranks)."""
+    from pathlib import Path
+
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and str(run_dir) in (proc / "cmdline").read_bytes().decode(errors="replace"):
+                found.append(int(proc.name))
+        except OSError:
+            continue
+    return found
+
+
+def test_a_failing_run_exits_with_one_processs_code_and_a_killed_launcher_takes_its_ranks(model, tmp_path):
+    """Every outcome of `--nproc 2` was exit 1 ("a training process failed (ChildFailedError)"), a refusal printed
+    once per rank; a SIGKILLed launcher left both ranks training on, re-parented, holding the run directory."""
+    import os
+    import signal
+    import time
+
+    bad = tmp_path / "raising_reward.py"
+    bad.write_text("def boom(prompts, completions, **kw):\n    raise ValueError('boom')\n")
+    cmd = [sys.executable, "-m", "polyrl", "train", "--model", model, "--steps", "50", "--prompts-per-step", "2",
+           "--group-size", "2", "--max-new-tokens", "4", "--eval-every", "0", "--no-tensorboard", "--nproc", "2"]
+    done = subprocess.run([*cmd, "--run-dir", str(tmp_path / "bad"), "--reward-funcs", f"{bad}:boom"],
+                          capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert done.returncode == 2 and done.stderr.count("polyrl: error:") == 1, done.stderr[-3000:]
+    run = tmp_path / "killed"
+    launcher = subprocess.Popen([*cmd, "--run-dir", str(run)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + TIMEOUT_S
+    while not (run / "metrics.jsonl").exists() or '"step": 1' not in (run / "metrics.jsonl").read_text():
+        assert launcher.poll() is None and time.monotonic() < deadline
+        time.sleep(0.2)
+    ranks = [p for p in _ranks_of(run) if p != launcher.pid]
+    assert len(ranks) == 2
+    os.kill(launcher.pid, signal.SIGKILL)
+    launcher.wait()
+    while any(p in _ranks_of(run) for p in ranks):
+        assert time.monotonic() < deadline + 30, "the ranks outlived their launcher"
+        time.sleep(0.2)
+    # SIGTERM to the launcher: it stops the ranks and exits as one process would (143, not 1)
+    run = tmp_path / "terminated"
+    launcher = subprocess.Popen([*cmd, "--run-dir", str(run)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    while not (run / "metrics.jsonl").exists() or '"step": 1' not in (run / "metrics.jsonl").read_text():
+        assert launcher.poll() is None and time.monotonic() < deadline + 60
+        time.sleep(0.2)
+    launcher.send_signal(signal.SIGTERM)
+    assert launcher.wait(timeout=120) == 128 + signal.SIGTERM
+    assert not _ranks_of(run)

@@ -905,3 +905,19 @@ def test_a_resume_without_the_runs_plugin_names_the_plugin(tmp_path, tiny_model)
     assert f"was trained with --plugin {plugin}" in refused.stderr and "--resume" in refused.stderr
     resumed = polyrl("--plugin", plugin, "train", "--resume", "--steps", "2", "--run-dir", run)
     assert resumed.returncode == 0, resumed.stderr
+
+
+def test_a_late_rank_of_an_overwrite_leaves_the_set_aside_run_to_rank_0(tmp_path, monkeypatch):
+    """`train --overwrite --nproc 2` with rank 1 starting after rank 0 had set the old run aside: rank 1 took it for the
+    leftover of a killed --overwrite and refused, the command failed and the old run stayed hidden."""
+    from polyrl.build import _recover_replaced
+    from polyrl.runs import aside_path
+
+    run = tmp_path / "r"
+    run.mkdir()
+    aside_path(run).mkdir()
+    monkeypatch.setattr("polyrl.launch.world", lambda: (1, 2))
+    _recover_replaced(str(run), [], overwrite=True)  # rank 0's own set-aside: nothing to say
+    assert aside_path(run).is_dir()
+    with pytest.raises(ConfigError, match="an earlier --overwrite left the old run in"):
+        _recover_replaced(str(run), [], overwrite=False)  # a resume must not read a directory being put back
