@@ -3,11 +3,15 @@
 Rollout workers (``--rollout-workers N``, built in ``rollout/remote/``) generate on Ray actors. Training processes:
 
 ``--nproc N`` (N >= 2) re-executes the same command as ``torchrun --standalone --nproc-per-node N -m polyrl
-...`` (``torch.distributed.run``, the code behind ``torchrun``: rendezvous on 127.0.0.1, one process per
-rank, a failed rank stops the others). Every rank then trains with the FSDP2 learner; rank 0 also
+...`` (``torch.distributed.run``, the code behind ``torchrun``: a standalone rendezvous on this machine, one process
+per rank, a failed rank stops the others). Every rank then trains with the FSDP2 learner; rank 0 also
 generates (or drives the Ray rollout workers), logs, evaluates and writes the run directory. Launching
 with ``torchrun`` directly works the same way and is how several machines join (``--nnodes``,
 ``--rdzv-endpoint``). Settings only; this module imports no torch until it launches.
+
+Network: the ranks' gloo traffic runs over 127.0.0.1, but torch's launcher (its rendezvous store) and a local Ray
+instance listen on every interface of the machine (neither offers a bind address), on ports they choose: on a
+machine others can reach, keep those ports behind a firewall.
 """
 
 from __future__ import annotations

@@ -272,3 +272,17 @@ def test_a_worker_restarted_before_its_first_reply_is_counted(cluster, models):
         assert remote.take_stats()["rollout/worker_restarts"] == 1
     finally:
         remote.close()
+
+
+def test_an_address_where_no_cluster_answers_is_refused_at_once():
+    """`--ray-address 127.0.0.1:1` hung: ray.init retried the address forever ("Failed to connect to GCS" every 30 s)."""
+    import time
+
+    from polyrl.rollout.remote.pool import WorkerError, _check_reachable
+
+    t0 = time.monotonic()
+    for address in ("127.0.0.1:1", "ray://127.0.0.1:1"):
+        with pytest.raises(WorkerError, match=r"^ray_address = '.*127\.0\.0\.1:1': nothing answers there"):
+            _check_reachable(address)
+    assert time.monotonic() - t0 < 5
+    _check_reachable("auto")  # Ray's own forms are Ray's to resolve

@@ -215,11 +215,27 @@ def _start_ray(address: str | None, cpus: int, gpus_per_worker: float, trainer_g
             signal.signal(signal.SIGTERM, previous)
 
 
+def _check_reachable(address: str, timeout_s: float = 10.0) -> None:
+    """Refuse a HOST:PORT (or ray://HOST:PORT) that no server answers: ``ray.init`` retries such an address forever,
+    printing "Failed to connect to GCS" every 30 s. 'auto' and other forms are left to Ray."""
+    import socket
+
+    host, sep, port = address.removeprefix("ray://").rpartition(":")
+    if not sep or not host or not port.isdigit():
+        return
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except OSError as e:
+        raise WorkerError(f"ray_address = {address!r}: nothing answers there ({e.strerror or e}); start the cluster "
+                          "(ray start --head) or give the address `ray status` prints on one of its nodes") from None
+
+
 def _init_ray(address: str | None, cpus: int, gpus_per_worker: float, trainer_gpus: int = 0) -> None:
     import ray
 
     quiet = dict(include_dashboard=False, logging_level="ERROR", log_to_driver=False)
     if address:
+        _check_reachable(address)
         try:
             ray.init(address=address, **quiet)
         except (ConnectionError, ValueError) as e:  # no cluster there, or an address Ray cannot parse
