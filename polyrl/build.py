@@ -477,7 +477,10 @@ def _check_plugins(run_dir: str, given: list[str]) -> None:
     "unknown trust_region 'mine' (did you mean 'clip'?)", as if the run had a typo)."""
     from polyrl.runs import CONFIG, saved_record
 
-    missing = [m for m in (saved_record(run_dir) or {}).get("plugins", []) if m not in plugin_names(given)]
+    def known(m: str) -> str:  # a file by its name (a run copied elsewhere, its plugin too), a module by its last part
+        return Path(m).stem if m.endswith(".py") else m.rpartition(".")[2]
+
+    missing = [m for m in (saved_record(run_dir) or {}).get("plugins", []) if known(m) not in map(known, given)]
     if missing:
         flags = " ".join(f"--plugin {m}" for m in missing)
         raise ConfigError(f"run_dir = {run_dir!r} was trained with {flags} ({run_dir}/{CONFIG}); resume it with "

@@ -652,11 +652,13 @@ def _out_of_memory(e: BaseException) -> bool:
         s in text for s in ("can't allocate memory", "not enough memory", "array is too big", "out of memory"))
 
 
-def _first_rank() -> bool:
-    """Rank 0 of a launch, or a process on its own."""
+def _rank_label() -> str:
+    """'rank N: ' for a rank other than 0 of a launch (its refusal may be its own, so it is printed, and says whose),
+    else ''."""
     from polyrl.launch import world
 
-    return world()[0] == 0
+    rank = world()[0]
+    return f"rank {rank}: " if rank else ""
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -682,13 +684,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                                   + (" (leave the flag out for the default)" if optional else ""))
         for module in args.plugin:
             load_plugin(module)
+        if args.plugin:  # every plugin has loaded: their presets may use each other's parts
+            from polyrl.methods import check_presets
+
+            check_presets()
         if not uses_manifest(args):
             import polyrl.methods  # noqa: F401  (registers every built-in part and preset; imports torch)
 
         return int(args.fn(args) or 0)
     except (PartError, ConfigError, CheckpointError, FileNotFoundError, RewardError) as e:
-        if _first_rank():  # every rank of a launch refuses the same settings: one line, not one per rank
-            print(f"polyrl: error: {e}", file=sys.stderr)
+        print(f"polyrl: {_rank_label()}error: {e}", file=sys.stderr)
         return 2
     except TrainingError as e:  # the run itself failed, not its configuration
         print(f"polyrl: training stopped: {e}", file=sys.stderr)

@@ -22,10 +22,8 @@ PRESETS: dict[str, Callable[[], Method]] = {}
 def preset(fn: Callable[[], Method]) -> Callable[[], Method]:
     """Register a preset under its function name; its docstring becomes the method's summary.
 
-    Built once here, so that a plugin's broken preset is refused where it is defined, in one line naming it (built
-    lazily, it broke `polyrl methods`, `parts` and `docs` with a message naming neither it nor its file); a name
-    already taken (a built-in's: a plugin silently replaced grpo) or a method named otherwise than its preset
-    (listed by `methods`, unknown to `explain`) is refused too.
+    A name already taken (a built-in's: a plugin silently replaced grpo) is refused here, naming both places;
+    ``check_presets`` builds a plugin's presets once every plugin has loaded (one may use another's parts).
     """
     name, where = fn.__name__, defined_in(fn)
     if name in PRESETS:
@@ -36,16 +34,25 @@ def preset(fn: Callable[[], Method]) -> Callable[[], Method]:
     def build() -> Method:
         return replace(fn(), summary=summary)
 
-    try:
-        built = build()
-    except PartError as e:
-        raise PartError(f"preset {name!r} ({where}): {e}") from None
-    if built.name != name:
-        raise PartError(f"preset {name!r} ({where}) builds a method named {built.name!r}; name it {name!r}, as "
-                        "`polyrl explain` and --method look it up by the preset's name")
     build.__doc__, build.origin = fn.__doc__, where
     PRESETS[name] = build
     return fn
+
+
+def check_presets() -> None:
+    """Build every preset a plugin registered: a broken one is refused in one line naming it and its file (built
+    lazily, it broke `polyrl methods`, `parts` and `docs` with a message naming neither), as is one that builds a
+    method named otherwise (listed by `methods` under that name, unknown to `explain`)."""
+    for name, build in PRESETS.items():
+        if build.origin == __name__:
+            continue
+        try:
+            built = build()
+        except PartError as e:
+            raise PartError(f"preset {name!r} ({build.origin}): {e}") from None
+        if built.name != name:
+            raise PartError(f"preset {name!r} ({build.origin}) builds a method named {built.name!r}; name it "
+                            f"{name!r}, as `polyrl explain` and --method look it up by the preset's name")
 
 
 def get_method(name: str, **overrides: Any) -> Method:

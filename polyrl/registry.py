@@ -172,9 +172,10 @@ def _coerce(value: Any, tp: Any) -> Any:
 class Registry:
     """Name -> part function, for one kind of part (advantage, trust_region, ...)."""
 
-    def __init__(self, kind: str, positional: int):
+    def __init__(self, kind: str, positional: int, tagged: Mapping[str, int] | None = None):
         self.kind = kind
         self.positional = positional  # the positional arguments every call passes (the kind's signature)
+        self.tagged = dict(tagged or {})  # tag -> the positional arguments a part with that tag is passed after them
         self._specs: dict[str, PartSpec] = {}
 
     def register(
@@ -195,12 +196,12 @@ class Registry:
             sig = inspect.signature(fn)
             given = [p for p in sig.parameters.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
             required = [p for p in given if p.default is p.empty]
-            if not (len(required) <= self.positional
-                    and (len(given) >= self.positional
-                         or any(p.kind is p.VAR_POSITIONAL for p in sig.parameters.values()))):
+            passed = self.positional + sum(self.tagged.get(t, 0) for t in tags)
+            if not (len(required) <= passed
+                    and (len(given) >= passed or any(p.kind is p.VAR_POSITIONAL for p in sig.parameters.values()))):
                 # a plugin's part with another signature failed with a TypeError deep in the first training step
                 raise PartError(f"{self.kind} {name!r} ({defined_in(fn)}) takes {len(required)} to {len(given)} "
-                                f"positional arguments; a {self.kind} is called with {self.positional} (see "
+                                f"positional arguments; this {self.kind} is called with {passed} (see "
                                 "polyrl/registry.py), settings keyword-only after *")
             bad_rule = next((r for r in (ranges or {}).values() if not _RANGE.match(str(r).strip())), None)
             if bad_rule is not None:
@@ -323,7 +324,7 @@ def parse_part(text: str) -> tuple[str, dict[str, str]]:
 # One registry per kind of part (ARCHITECTURE.md section 1). Signatures, tensors [B, T] unless noted:
 # (rewards [B] | [B, C], group_ids [B], mask, values=None, token_rewards=None) -> adv [B] | [B, T]
 # (rewards [B], group_ids [B], mask [B, T], values [B, T] | None, token_rewards [B, T] | None[, greedy or OTB inputs])
-ADVANTAGES = Registry("advantage", 5)
+ADVANTAGES = Registry("advantage", 5, {"needs_greedy": 1, "needs_sum_pi_sq": 2})
 RATIOS = Registry("ratio", 5)  # (logp, anchor_logp, mask, segment_ids, turn_ids) -> log_ratio [B, T]
 TRUST_REGIONS = Registry("trust_region", 2)  # (LossInputs, log_ratio) -> (per_token_loss [B, T], metrics)
 CORRECTIONS = Registry("correction", 4)  # (old_logp, rollout_logp, mask, adv) -> detached weights [B, T]

@@ -768,3 +768,22 @@ def test_plugin_usage_mistakes_say_what_to_do(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr("sys.path", [p for p in __import__("sys").path if p not in ("", ".", str(tmp_path))])
     assert main(["--plugin", "my_local_parts", "methods"]) == 2
     one_line_error(capsys, "No module named 'my_local_parts'", "give the file, --plugin my_local_parts.py")
+
+
+def test_a_plugin_preset_may_use_the_parts_of_a_plugin_loaded_after_it(tmp_path):
+    """Presets are checked once every --plugin has loaded: built when registered, a preset plugin given before the
+    plugin of its parts was refused ("unknown trust_region")."""
+    import subprocess
+    import sys
+
+    (tmp_path / "later_parts.py").write_text(
+        "from polyrl.registry import TRUST_REGIONS\n\n@TRUST_REGIONS.register('later_tr')\n"
+        "def later_tr(inp, log_ratio):\n    return -log_ratio.exp() * inp.adv, {}\n")
+    (tmp_path / "early_presets.py").write_text(
+        "from polyrl.methods import preset\nfrom polyrl.objectives import build_method\n\n@preset\ndef mine():\n"
+        "    '''Mine.'''\n    return build_method('mine', advantage='grpo', trust_region='later_tr', "
+        "aggregation='token_mean')\n")
+    proc = subprocess.run([sys.executable, "-m", "polyrl.cli", "--plugin", str(tmp_path / "early_presets.py"),
+                           "--plugin", str(tmp_path / "later_parts.py"), "explain", "mine"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "later_tr" in proc.stdout, proc.stderr

@@ -239,6 +239,9 @@ def test_a_terminated_evidence_command_stops_the_runs_it_started(tmp_path, monke
     monkeypatch.setattr(lab.subprocess, "Popen", popen)
     monkeypatch.setattr(lab, "STOP_GRACE_S", 5.0)
     monkeypatch.setattr("polyrl.lab.claims.subprocess.run", lambda *a, **k: subprocess.CompletedProcess(a, 0, "", ""))
+    # SIGTERM as a fresh command finds it (default action): a test before may have left Ray's handler installed,
+    # which signals_unwind keeps, as it keeps any handler someone set
+    term = signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.setitimer(signal.ITIMER_REAL, 1.5)
     previous = signal.signal(signal.SIGALRM, lambda *_: os.kill(os.getpid(), signal.SIGTERM))
     try:
@@ -246,5 +249,6 @@ def test_a_terminated_evidence_command_stops_the_runs_it_started(tmp_path, monke
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
+        signal.signal(signal.SIGTERM, term)
     assert code == 128 + signal.SIGTERM
     assert len(started) == 1 and started[0].poll() == -signal.SIGTERM  # stopped, not left training

@@ -410,3 +410,5 @@ def test_the_sigmoid_axis_is_one_the_runs_log(tmp_path):
         assert res["settings"]["compute"] == axis and res["methods"]["m"]["sigmoid"]["compute"] == axis
         assert "logged" not in res["methods"]["m"]["sigmoid"].get("reason", "")
     assert analyse(tmp_path / "lm", n_boot=50, compute="steps")["settings"]["compute"] == "steps"  # asked for
+    write_run(tmp_path / "lm" / "m" / "seed1", [{"step": 0, "eval/accuracy": 0.1}], finished=False)  # failed at once
+    assert analyse(tmp_path / "lm", n_boot=50)["settings"]["compute"] == "tokens"  # not every method on steps

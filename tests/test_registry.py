@@ -124,7 +124,7 @@ def test_registration_refuses_a_signature_the_kind_is_not_called_with_and_a_bad_
     """A plugin trust region without log_ratio was accepted and failed with a TypeError in the first training step;
     ranges={"scale": "positive"} failed with a ValueError traceback when a value was checked."""
     r = Registry("trust_region", 2)
-    with pytest.raises(PartError, match=r"^trust_region 'one' \(.*\) takes 1 to 1 positional arguments; a "
+    with pytest.raises(PartError, match=r"^trust_region 'one' \(.*\) takes 1 to 1 positional arguments; this "
                                         r"trust_region is called with 2"):
         r.register("one")(lambda inp, *, scale=1.0: inp)  # its settings are never reached
     with pytest.raises(PartError, match="takes 3 to 3 positional arguments"):
@@ -145,3 +145,16 @@ def test_registration_refuses_a_signature_the_kind_is_not_called_with_and_a_bad_
 
     r.register("optional")(optional)
     r.register("varargs")(varargs)
+
+
+def test_an_advantage_tagged_for_extra_inputs_may_take_them():
+    """needs_greedy advantages are passed the greedy rewards after the five inputs, needs_sum_pi_sq ones two more: a
+    plugin ReMax taking them was refused."""
+    r = Registry("advantage", 5, {"needs_greedy": 1, "needs_sum_pi_sq": 2})
+
+    def my_remax(rewards, group_ids, mask, values, token_rewards, greedy_rewards, *, eps: float = 1e-6):
+        return rewards
+
+    r.register("my_remax", tags=("needs_greedy",))(my_remax)
+    with pytest.raises(PartError, match="takes 6 to 6 positional arguments; this advantage is called with 5"):
+        r.register("untagged")(my_remax)

@@ -275,7 +275,7 @@ def test_a_worker_restarted_before_its_first_reply_is_counted(cluster, models):
 
 
 def test_an_address_where_no_cluster_answers_is_refused_at_once():
-    """`--ray-address 127.0.0.1:1` hung: ray.init retried the address forever ("Failed to connect to GCS" every 30 s)."""
+    """`--ray-address 127.0.0.1:1` hung: ray.init retried it forever ("Failed to connect to GCS" every 30 s)."""
     import time
 
     from polyrl.rollout.remote.pool import WorkerError, _check_reachable

@@ -921,3 +921,30 @@ def test_a_late_rank_of_an_overwrite_leaves_the_set_aside_run_to_rank_0(tmp_path
     assert aside_path(run).is_dir()
     with pytest.raises(ConfigError, match="an earlier --overwrite left the old run in"):
         _recover_replaced(str(run), [], overwrite=False)  # a resume must not read a directory being put back
+
+
+def test_a_refusal_of_a_rank_other_than_0_is_printed_and_says_whose(tmp_path):
+    """Only rank 0's refusals were printed: one that only rank 1 raises (the set-aside run above) ended the launch with
+    exit 2 and no reason."""
+    import subprocess
+    import sys
+
+    (tmp_path / "run").mkdir()
+    (tmp_path / ".run.replaced").mkdir()
+    proc = subprocess.run([sys.executable, "-m", "polyrl", "train", "--run-dir", "run", "--resume", "--steps", "1"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "RANK": "1", "WORLD_SIZE": "2"})
+    assert proc.returncode == 2 and proc.stderr.startswith("polyrl: rank 1: error: run_dir = 'run': an earlier"), \
+        proc.stderr
+
+
+def test_a_resume_knows_the_runs_plugin_by_its_name_wherever_it_lies(tmp_path):
+    """The recorded plugin was compared as an absolute path: a run copied to another machine, or its plugin given as
+    a module instead of a file, could never be resumed."""
+    from polyrl.build import _check_plugins
+
+    (tmp_path / "config.json").write_text(json.dumps({"config": {}, "plugins": ["/home/old/proj/my_parts.py"]}))
+    _check_plugins(str(tmp_path), ["elsewhere/my_parts.py"])
+    _check_plugins(str(tmp_path), ["pkg.my_parts"])
+    with pytest.raises(ConfigError, match="was trained with --plugin /home/old/proj/my_parts.py"):
+        _check_plugins(str(tmp_path), ["other_parts.py"])

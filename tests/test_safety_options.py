@@ -209,9 +209,12 @@ def test_prepare_out_with_overwrite_sets_the_old_results_aside(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == [".curves.png.replaced", ".lm_curves.png.replaced",
                                                           ".models.replaced", ".report.html.replaced",
                                                           ".results.json.replaced", "mine.png", "notes.txt"]
+    (tmp_path / "models" / "seed0").mkdir(parents=True)  # the stopped run had begun to keep its own models
+    (tmp_path / "curves.png").write_text("the stopped run's")
     assert settle_out(tmp_path) is True  # the run stopped before its results: the old ones are back
     assert sorted(p.name for p in tmp_path.iterdir()) == ["curves.png", "lm_curves.png", "mine.png", "models",
                                                           "notes.txt", "report.html", "results.json"]
+    assert (tmp_path / "curves.png").read_text() == "old" and (tmp_path / "models" / "seed0").is_dir()
     prepare_out(args, outputs)
     (tmp_path / "results.json").write_text("new")
     (tmp_path / "curves.png").write_text("new")

@@ -314,8 +314,9 @@ def analyse_runs(
     if not runs:
         raise ValueError("no runs to analyse")
     if compute is None:  # tokens where the runs log them; a family's runs log rollouts (q) or neither (flow)
-        logged = [axis for axis in ("tokens", "rollouts") if all(r.compute()[axis] is not None
-                                                                  for lst in runs.values() for r in lst)]
+        every = [r for lst in runs.values() for r in lst]
+        trained = [r for r in every if r.series(REWARD)[0].size] or every  # a run that failed before step 1 logs none
+        logged = [axis for axis in ("tokens", "rollouts") if all(r.compute()[axis] is not None for r in trained)]
         compute = logged[0] if logged else "steps"
     rule = collapse_rule or CollapseRule()
     boot = {"level": ci, "n_boot": n_boot, "seed": seed}

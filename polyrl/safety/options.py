@@ -128,14 +128,21 @@ def settle_out(out: Path) -> bool:
     if not aside:
         return False
     finished = (out / RESULTS).exists() and not (out / RESULTS).is_symlink()
+    aside.sort(key=lambda entry: entry[0] == RESULTS)  # results.json back last: while hidden, no run counts as finished
     for name, path in aside:
-        if finished and path.is_dir() and not path.is_symlink():
-            shutil.rmtree(path)
-        elif finished:
-            path.unlink()
+        if finished:
+            _delete(path)
         else:
+            _delete(out / name)  # what the stopped run wrote there (a folder cannot be replaced while it holds files)
             path.replace(out / name)
     return not finished
+
+
+def _delete(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink(missing_ok=True)
 
 
 def settings(args: argparse.Namespace, drop: tuple[str, ...] = ()) -> dict:

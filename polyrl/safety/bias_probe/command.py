@@ -158,7 +158,8 @@ def analytic_part(args, progress=None, task=None) -> dict[str, Any]:
     import polyrl.safety.bias_probe.theory as th
 
     b = th.softmax_effective_b(args.options)
-    out: dict[str, Any] = {"b_effective": b, "closed_form_check": [], "bandit": [], "kl_sweep": []}
+    out: dict[str, Any] = {"b_effective": b, "closed_form_check": [], "bandit": [], "kl_sweep": [],
+                           "spec_bandit": SPEC_BANDIT}  # the settings of the spec's table, which the report names
     for p0 in SPEC_P0:
         for std in (True, False):
             cf = th.bernoulli_pg_onset_time(p0, args.sim_lr, b, std)

@@ -7,7 +7,6 @@ from typing import Any
 
 import numpy as np
 
-from polyrl.safety.bias_probe.command import SPEC_BANDIT
 from polyrl.safety.report import table_html, write_report
 
 CLAIM = ("arXiv:2606.10931 (spec §4): GRPO on ONE example whose gold label is flipped, trained for many steps, "
@@ -140,7 +139,7 @@ def verdict(results: dict, args) -> tuple[str, dict[str, Any]]:
                      f"90% range of a 20-seed median drawn from our onsets in {in_ci}/{len(spec_rows)} cells; largest "
                      f"relative difference of our median from the spec's {max_dev:.0%} ({{word}}).")
     else:
-        spec = SPEC_BANDIT
+        spec = a["spec_bandit"]
         spec_part = (f"Bandit vs the spec's table: not compared; its medians are for K = {spec['options']}, G = "
                      f"{spec['group']}, lr {spec['sim_lr']:g} and this run has K = {args.options}, G = {args.group}, "
                      f"lr {args.sim_lr:g}.")
