@@ -486,11 +486,13 @@ def cmd_compare(args: argparse.Namespace) -> int:
         flags.raising = True
         add_train_args(flags)
         if model is None:  # a misspelt flag or preset is refused before the warm start trains (minutes), not after
-            from polyrl.methods import get_method
+            from polyrl.build import METHOD_OVERRIDES
             from polyrl.tinylm import warmstart
 
-            def names_only(argv: list[str]) -> None:  # the flags parse and the preset exists; no model needed
-                get_method(flags.parse_args([*argv, "--model", "-"]).method)
+            def names_only(argv: list[str]) -> None:  # the flags parse, the preset and its part overrides resolve
+                parsed = flags.parse_args([*argv, "--model", "-"])
+                method_from_overrides(parsed.method, {k: getattr(parsed, k) for k in METHOD_OVERRIDES
+                                                      if getattr(parsed, k, None) is not None})
 
             validate_runs(methods, shared, per_method, presets, check=names_only)
             model = warmstart(args.task or "addition", cache_dir() / "warmstart", seed=0).path

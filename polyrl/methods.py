@@ -14,28 +14,16 @@ from typing import Any
 
 from polyrl import objectives, shaping  # noqa: F401  (imported to register every part)
 from polyrl.objectives import Method, build_method, override
-from polyrl.registry import Part, PartError, defined_in, unknown
+from polyrl.registry import Part, PartError, add_preset, unknown
 
 PRESETS: dict[str, Callable[[], Method]] = {}
 
 
 def preset(fn: Callable[[], Method]) -> Callable[[], Method]:
-    """Register a preset under its function name; its docstring becomes the method's summary.
-
-    A name already taken (a built-in's: a plugin silently replaced grpo) is refused here, naming both places;
-    ``check_presets`` builds a plugin's presets once every plugin has loaded (one may use another's parts).
-    """
-    name, where = fn.__name__, defined_in(fn)
-    if name in PRESETS:
-        raise PartError(f"preset {name!r} is registered twice, by {PRESETS[name].origin} and by {where}; give one of "
-                        "them another name")
-    summary = " ".join((fn.__doc__ or "").split())
-
-    def build() -> Method:
-        return replace(fn(), summary=summary)
-
-    build.__doc__, build.origin = fn.__doc__, where
-    PRESETS[name] = build
+    """Register a preset under its function name; its docstring becomes the method's summary (``add_preset``: a
+    name already taken is refused). ``check_presets`` builds a plugin's presets once every plugin has loaded (one
+    may use another's parts)."""
+    add_preset(PRESETS, fn)
     return fn
 
 
@@ -47,12 +35,10 @@ def check_presets() -> None:
         if build.origin == __name__:
             continue
         try:
-            built = build()
+            build()
         except PartError as e:
-            raise PartError(f"preset {name!r} ({build.origin}): {e}") from None
-        if built.name != name:
-            raise PartError(f"preset {name!r} ({build.origin}) builds a method named {built.name!r}; name it "
-                            f"{name!r}, as `polyrl explain` and --method look it up by the preset's name")
+            raise PartError(e.args[0] if str(e).startswith(f"preset {name!r} (") else
+                            f"preset {name!r} ({build.origin}): {e}") from None
 
 
 def get_method(name: str, **overrides: Any) -> Method:

@@ -13,6 +13,7 @@ parameter, the value and what is allowed. Nothing is silently ignored.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import inspect
 import math
@@ -90,6 +91,30 @@ def _in_range(value: float, rule: str) -> bool:
     lo_ok = value >= lo if m.group(3) == "[" else value > lo
     hi_ok = value <= hi if m.group(6) == "]" else value < hi
     return lo_ok and hi_ok
+
+
+def add_preset(table: dict[str, Callable[[], Any]], fn: Callable[[], Any], kind: str = "preset") -> None:
+    """Put preset ``fn`` in ``table`` under its function name, its docstring the built method's summary.
+
+    A name already taken is refused naming both places (a plugin's preset silently replaced a built-in one); the
+    build refuses a method named otherwise than its preset (listed under one name, looked up under the other). The
+    build function keeps where ``fn`` was defined as ``origin``.
+    """
+    name, where = fn.__name__, defined_in(fn)
+    if name in table:
+        raise PartError(f"{kind} {name!r} is registered twice, by {table[name].origin} and by {where}; give one of "
+                        "them another name")
+    summary = " ".join((fn.__doc__ or "").split())
+
+    def build() -> Any:
+        built = fn()
+        if built.name != name:
+            raise PartError(f"{kind} {name!r} ({where}) builds a method named {built.name!r}; name it {name!r}, as "
+                            "`polyrl explain` and --method look it up by the preset's name")
+        return dataclasses.replace(built, summary=summary)
+
+    build.__doc__, build.origin = fn.__doc__, where
+    table[name] = build
 
 
 def did_you_mean(name: str, options) -> str:

@@ -684,7 +684,11 @@ def test_an_allocation_that_fails_is_one_line_and_other_errors_still_raise(tmp_p
 
 @pytest.mark.parametrize("argv, words", [(["--methods", "grpo", "--lrr", "3"], ["--lrr", "did you mean --lr?"]),
                                          (["--methods", "grpoo"], ["unknown method 'grpoo'", "did you mean 'grpo'"]),
-                                         (["--methods", "grpo", "--method-args", "grpo=--epochz 2"], ["--epochz"])])
+                                         (["--methods", "grpo", "--method-args", "grpo=--epochz 2"], ["--epochz"]),
+                                         (["--methods", "grpo", "--trust-region", "clip:eps_hgih=0.3"],
+                                          ["unknown parameter 'eps_hgih'"]),
+                                         (["--methods", "grpo", "--method-args", "grpo=--kl-coef -1"],
+                                          ["kl_coef = -1"])])
 def test_compare_refuses_a_misspelt_flag_or_preset_before_the_warm_start_trains(tmp_path, capsys, monkeypatch, argv,
                                                                               words):
     """`compare --task countdown --lrr 3` trained the countdown warm start (minutes) before it said --lrr is no flag."""

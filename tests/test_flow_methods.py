@@ -144,3 +144,35 @@ def test_cli_methods_and_pretrain(capsys):
     assert e.value.code == 2 and "target = 'ring9'; allowed: 'ring8', 'ring8_cond'" in capsys.readouterr().err
     assert main(["flow", "pretrain", "--steps", "0"]) == 2
     assert "steps = 0" in capsys.readouterr().err
+
+
+def test_a_flow_or_duplex_preset_cannot_take_a_taken_name_or_build_another_method():
+    """A plugin's @flow_preset flow_grpo silently swapped in its own method (as polyrl's @preset grpo did), and one
+    building a method named otherwise was listed under that name."""
+    from polyrl.families.duplex.methods import DUPLEX_METHODS, duplex_preset
+    from polyrl.families.flow.methods import FLOW_METHODS, build_flow_method, flow_preset
+    from polyrl.registry import PartError
+
+    def flow_grpo():
+        return build_flow_method("flow_grpo", advantage="grpo", loss="flow_clip")
+
+    with pytest.raises(PartError, match="flow preset 'flow_grpo' is registered twice"):
+        flow_preset(flow_grpo)
+
+    def grpo():
+        return None
+
+    with pytest.raises(PartError, match="duplex preset 'grpo' is registered twice"):
+        duplex_preset(grpo)
+
+    def flow_renamed():
+        """Renamed."""
+        return build_flow_method("something_else", advantage="grpo", loss="flow_clip")
+
+    flow_preset(flow_renamed)
+    try:
+        with pytest.raises(PartError, match="flow preset 'flow_renamed' .* builds a method named 'something_else'"):
+            FLOW_METHODS["flow_renamed"]()
+    finally:
+        del FLOW_METHODS["flow_renamed"]
+    assert "grpo" in DUPLEX_METHODS and FLOW_METHODS["flow_grpo"]().summary.startswith("Flow-GRPO")

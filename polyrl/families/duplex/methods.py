@@ -8,10 +8,10 @@ imitation for the same number of steps (the supervised baseline at equal compute
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import polyrl.objectives  # noqa: F401  (registers the advantage estimators and trust regions)
-from polyrl.registry import ADVANTAGES, Part, PartError, PartLike, resolve_part, unknown
+from polyrl.registry import ADVANTAGES, Part, PartError, PartLike, add_preset, resolve_part, unknown
 
 # sequence-level estimators returning one advantage per rollout [B]
 DUPLEX_ADVANTAGES = ("grpo", "group_centered", "group_centered_batch_std", "rloo", "maxrl", "reinforce")
@@ -44,7 +44,9 @@ DUPLEX_METHODS: dict[str, Callable[[], DuplexMethod]] = {}
 
 
 def duplex_preset(fn: Callable[[], DuplexMethod]) -> Callable[[], DuplexMethod]:
-    DUPLEX_METHODS[fn.__name__] = lambda: replace(fn(), summary=" ".join((fn.__doc__ or "").split()))
+    """Register a preset under its function name; its docstring becomes the summary (``add_preset``: a name already
+    taken is refused, as is a method named otherwise than its preset)."""
+    add_preset(DUPLEX_METHODS, fn, "duplex preset")
     return fn
 
 

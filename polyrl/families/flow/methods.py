@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import polyrl.objectives  # noqa: F401  (registers the advantage estimators)
 from polyrl.families.flow.losses import FLOW_LOSSES
 from polyrl.families.flow.sampler import REDUCES, SCHEDULES
-from polyrl.registry import ADVANTAGES, Part, PartError, PartLike, resolve_part, unknown
+from polyrl.registry import ADVANTAGES, Part, PartError, PartLike, add_preset, resolve_part, unknown
 
 # Sequence-level estimators that return one advantage per sample [B] (token-level ones do not apply).
 FLOW_ADVANTAGES = ("grpo", "group_centered", "group_centered_batch_std", "rloo", "maxrl", "reinforce")
@@ -119,8 +119,9 @@ FLOW_METHODS: dict[str, Callable[[], FlowMethod]] = {}
 
 
 def flow_preset(fn: Callable[[], FlowMethod]) -> Callable[[], FlowMethod]:
-    """Register a preset under its function name; its docstring becomes the summary."""
-    FLOW_METHODS[fn.__name__] = lambda: replace(fn(), summary=" ".join((fn.__doc__ or "").split()))
+    """Register a preset under its function name; its docstring becomes the summary (``add_preset``: a name already
+    taken is refused, as is a method named otherwise than its preset)."""
+    add_preset(FLOW_METHODS, fn, "flow preset")
     return fn
 
 
