@@ -48,6 +48,9 @@ class ScaleConfig:
         return self.rollout_workers or (1 if staleness else 0)
 
 
+LAUNCHER_PID = "POLYRL_LAUNCHER_PID"  # set by ``relaunch`` for its ranks
+
+
 def under_launcher() -> bool:
     """Whether this process is a rank started by torchrun / torch.distributed.run."""
     return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
@@ -80,12 +83,16 @@ def relaunch(nproc: int, argv: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
+    os.environ[LAUNCHER_PID] = str(os.getpid())  # the ranks' parent: they end when it does (die_with_launcher)
     try:
         run(args)
     except SignalException as e:  # SIGTERM / Ctrl-C to the launcher: it stopped the ranks; exit as one process would
         return 128 + int(e.sigval)
-    except ChildFailedError as e:  # a rank failed and printed why: exit with rank 0's code (the others may abort in
-        code = e.failures[min(e.failures)].exitcode  # a collective it left), as one process would
+    except ChildFailedError as e:  # a rank failed and printed why: exit with its code, as one process would
+        # a rank that exited by itself (the others may then abort in a collective it left, or be stopped), the
+        # lowest such; else the first to fail
+        own = sorted(rank for rank, f in e.failures.items() if f.exitcode > 0)
+        code = e.failures[own[0]].exitcode if own else e.get_first_failure()[1].exitcode
         return 128 - code if code < 0 else code  # killed by a signal: its negative number, as the shell reports it
     return 0
 
@@ -101,7 +108,7 @@ def die_with_launcher() -> None:
         return
     import ctypes
 
-    parent = os.getppid()
+    parent = int(os.environ.get(LAUNCHER_PID, os.getppid()))  # torchrun started by hand: the parent now
     ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))  # 1 = PR_SET_PDEATHSIG
-    if os.getppid() != parent:  # it died before the request was in place
+    if os.getppid() != parent:  # it died before the request was in place (while this process started up)
         os.kill(os.getpid(), signal.SIGTERM)
