@@ -91,6 +91,7 @@ def test_no_import_circle_between_packages():
     ("polyrl.guard", {"polyrl.lab", "polyrl.config", "polyrl.cli"}),
     ("polyrl.lab", {"polyrl.cli"}),
     ("polyrl.build", {"polyrl.trainer", "polyrl.cli"}),
+    ("polyrl.combinations", {"polyrl.build", "polyrl.trainer", "polyrl.cli", "polyrl.lab"}),
 ])
 def test_layers_import_only_downwards(low, forbidden):
     bad = {(m, d) for m, deps in _graph().items() if m == low or m.startswith(low + ".")

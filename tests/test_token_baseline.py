@@ -12,7 +12,7 @@ import json
 import pytest
 import torch
 
-from polyrl.build import check_combinations
+from polyrl.combinations import check_combinations
 from polyrl.config import ConfigError, build_config
 from polyrl.methods import get_method
 from polyrl.objectives.group_layout import advantages

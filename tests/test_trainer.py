@@ -9,8 +9,8 @@ import pytest
 import torch
 from rich.console import Console
 
-from polyrl.build import check_combinations
 from polyrl.cli import main
+from polyrl.combinations import check_combinations
 from polyrl.config import ConfigError, TrainConfig, build_config
 from polyrl.methods import PRESETS, get_method
 from polyrl.registry import ADVANTAGES
