@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from polyrl.collapse import CollapseRule, first_collapse
-from polyrl.lab.stats import auc, bootstrap_ci, curve, fit_sigmoid, summarize
+from polyrl.lab.stats import auc, bootstrap_ci, curve, fit_bounds, fit_sigmoid, summarize
 
 ACC = "eval/accuracy"
 REWARD = "reward/mean"
@@ -220,6 +220,9 @@ def _sigmoid(runs: list[Run], metric: str, compute: str) -> dict[str, Any]:
     points = {"C": c.tolist(), "R": r.tolist()}
     if fit is None:
         return {**base, "ok": False, "reason": reason, "R0": r0, "points": points}
+    if metric == ACC and all(fit_bounds(fit, c)):  # as the evidence report's per-seed fits (lab/asymptote.py)
+        return {**base, "ok": False, "reason": "unidentified: A at the bound 1 and Cmid beyond the data", "R0": r0,
+                "points": points}
     return {**base, "ok": True, **fit, "points": points}
 
 

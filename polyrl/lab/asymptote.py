@@ -24,7 +24,6 @@ from polyrl.lab import verdicts
 from polyrl.lab.claim_types import Samples
 
 COMPUTE = "rollouts"
-AT_BOUND = 1e-6  # A within this of the bound 1 counts as "at the bound"
 
 
 def seed_asymptote(run: Any, *, compute: str = COMPUTE) -> dict[str, Any]:
@@ -38,7 +37,7 @@ def seed_asymptote(run: Any, *, compute: str = COMPUTE) -> dict[str, Any]:
     failure).
     """
     from polyrl.lab.analysis import ACC, _on_axis
-    from polyrl.lab.stats import fit_sigmoid, sigmoid_law
+    from polyrl.lab.stats import fit_bounds, fit_sigmoid, sigmoid_law
 
     x, y = _on_axis(run, ACC, compute)
     r0 = float(y[0]) if y.size else math.nan
@@ -52,7 +51,7 @@ def seed_asymptote(run: Any, *, compute: str = COMPUTE) -> dict[str, Any]:
     comp = run.compute()
     c_at = np.interp(steps, comp["steps"], comp[compute]) if comp[compute] is not None else steps
     y_fit = sigmoid_law(c_at, fit["A"], fit["B"], fit["Cmid"], r0)
-    at_bound, beyond = fit["A"] >= 1.0 - AT_BOUND, fit["Cmid"] > float(np.max(x))
+    at_bound, beyond = fit_bounds(fit, x)
     unidentified = at_bound and beyond  # the data bound neither the ceiling nor the midpoint: no asymptote found
     out.update(sigmoid_A=None if unidentified else fit["A"], sigmoid_fit_failed=float(unidentified),
                sigmoid_A_at_bound=float(at_bound), sigmoid_Cmid_beyond_data=float(beyond),

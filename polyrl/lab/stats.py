@@ -26,6 +26,15 @@ def sigmoid_law(c, a: float, b: float, cmid: float, r0: float) -> np.ndarray:
     return r0 + (a - r0) * expit(z)
 
 
+AT_BOUND = 1e-6  # A within this of the bound 1 counts as "at the bound"
+
+
+def fit_bounds(fit: dict, compute: np.ndarray) -> tuple[bool, bool]:
+    """(A at the bound 1, half-gain compute Cmid beyond the last point) of a ``fit_sigmoid`` fit of accuracy; both
+    at once: the data bound neither the ceiling nor the midpoint, so the fit found no asymptote (unidentified)."""
+    return fit["A"] >= 1.0 - AT_BOUND, fit["Cmid"] > float(np.max(compute))
+
+
 def fit_sigmoid(
     compute, perf, *, r0: float, a_max: float | None = 1.0, min_points: int = 4
 ) -> tuple[dict | None, str | None]:
