@@ -695,10 +695,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return int(args.fn(args) or 0)
     except (PartError, ConfigError, CheckpointError, FileNotFoundError, RewardError) as e:
-        print(f"polyrl: {_rank_label()}error: {e}", file=sys.stderr)
+        if not getattr(e, "relayed", False):  # rank 0's error raised again on another rank (ranks.py) is said once
+            print(f"polyrl: {_rank_label()}error: {e}", file=sys.stderr)
         return 2
     except TrainingError as e:  # the run itself failed, not its configuration
-        print(f"polyrl: training stopped: {e}", file=sys.stderr)
+        if not getattr(e, "relayed", False):
+            print(f"polyrl: {_rank_label()}training stopped: {e}", file=sys.stderr)
         return 1
     except (MemoryError, RuntimeError, ValueError) as e:
         if not _out_of_memory(e):

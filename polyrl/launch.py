@@ -80,6 +80,8 @@ def relaunch(nproc: int, argv: list[str]) -> int:
     # "--" keeps the launcher from reading polyrl's own flags (argparse would take --nproc for --nproc-per-node)
     args = get_args_parser().parse_args(["--standalone", "--nproc-per-node", str(nproc), "--module", "--", "polyrl",
                                          *argv])
+    import signal
+
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
@@ -89,10 +91,11 @@ def relaunch(nproc: int, argv: list[str]) -> int:
     except SignalException as e:  # SIGTERM / Ctrl-C to the launcher: it stopped the ranks; exit as one process would
         return 128 + int(e.sigval)
     except ChildFailedError as e:  # a rank failed and printed why: exit with its code, as one process would
-        # a rank that exited by itself (the others may then abort in a collective it left, or be stopped), the
-        # lowest such; else the first to fail
-        own = sorted(rank for rank, f in e.failures.items() if f.exitcode > 0)
-        code = e.failures[own[0]].exitcode if own else e.get_first_failure()[1].exitcode
+        # the lowest rank that exited by itself, not one torchrun stopped (it unwinds and exits 143) nor one killed by
+        # a signal (a rank aborting in a collective another left); else the lowest of those
+        codes = {rank: failure.exitcode for rank, failure in e.failures.items()}
+        stopped = (128 + signal.SIGTERM, -signal.SIGTERM)  # a rank torchrun stopped after another failed exits so
+        code = codes[min(codes, key=lambda rank: (codes[rank] in stopped, codes[rank] <= 0, rank))]
         return 128 - code if code < 0 else code  # killed by a signal: its negative number, as the shell reports it
     return 0
 
@@ -104,11 +107,13 @@ def die_with_launcher() -> None:
     import signal
     import sys
 
-    if not under_launcher() or not sys.platform.startswith("linux"):
+    # polyrl's relaunch, or torchrun started by hand (its agent is the parent); not RANK/WORLD_SIZE alone, which other
+    # tools set for processes whose parent may end first (a script that backgrounds the run)
+    if not (LAUNCHER_PID in os.environ or "TORCHELASTIC_RUN_ID" in os.environ) or not sys.platform.startswith("linux"):
         return
     import ctypes
 
-    parent = int(os.environ.get(LAUNCHER_PID, os.getppid()))  # torchrun started by hand: the parent now
+    parent = int(os.environ.get(LAUNCHER_PID, os.getppid()))
     ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))  # 1 = PR_SET_PDEATHSIG
     if os.getppid() != parent:  # it died before the request was in place (while this process started up)
         os.kill(os.getpid(), signal.SIGTERM)

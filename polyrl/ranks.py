@@ -38,6 +38,8 @@ class RankSource:
                 payload = (error, stream.pos)
         batch, stream.pos = _broadcast(payload)
         if isinstance(batch, Exception):
+            if self.inner is None:
+                batch.relayed = True  # rank 0's own error, which rank 0 reports: the others need not say it again
             raise batch
         return batch
 

@@ -110,7 +110,7 @@ def add_preset(table: dict[str, Callable[[], Any]], fn: Callable[[], Any], kind:
         built = fn()
         if built.name != name:
             raise PartError(f"{kind} {name!r} ({where}) builds a method named {built.name!r}; name it {name!r}, as "
-                            "`polyrl explain` and --method look it up by the preset's name")
+                            "--method looks it up by the preset's name")
         return dataclasses.replace(built, summary=summary)
 
     build.__doc__, build.origin = fn.__doc__, where

@@ -416,7 +416,7 @@ def test_the_sigmoid_axis_is_one_the_runs_log(tmp_path):
 
 def test_an_unidentified_accuracy_fit_is_no_fit_in_the_compare_results(tmp_path):
     """A curve still climbing steeply at its last point fits A at the bound 1 with Cmid beyond the data: the ranking
-    showed A = 1.000 (standard error ~1000) as an asymptote, where the evidence report's per-seed fits call it failed."""
+    showed A = 1.000 (standard error ~1000) as an asymptote; the evidence report's per-seed fits call it failed."""
     sigmoid_runs(tmp_path, "climbing", a=1.0, b=2.0, cmid=60000.0, r0=0.05)  # data end at 20,000 tokens
     sigmoid_runs(tmp_path, "bent", a=0.8, b=1.5, cmid=5000.0)
     res = analyse(tmp_path, n_boot=50)

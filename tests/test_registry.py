@@ -150,11 +150,14 @@ def test_registration_refuses_a_signature_the_kind_is_not_called_with_and_a_bad_
 def test_an_advantage_tagged_for_extra_inputs_may_take_them():
     """needs_greedy advantages are passed the greedy rewards after the five inputs, needs_sum_pi_sq ones two more: a
     plugin ReMax taking them was refused."""
-    r = Registry("advantage", 5, {"needs_greedy": 1, "needs_sum_pi_sq": 2})
+    from polyrl.registry import ADVANTAGES
 
     def my_remax(rewards, group_ids, mask, values, token_rewards, greedy_rewards, *, eps: float = 1e-6):
         return rewards
 
-    r.register("my_remax", tags=("needs_greedy",))(my_remax)
-    with pytest.raises(PartError, match="takes 6 to 6 positional arguments; this advantage is called with 5"):
-        r.register("untagged")(my_remax)
+    ADVANTAGES.register("test_my_remax", tags=("needs_greedy",))(my_remax)
+    try:
+        with pytest.raises(PartError, match="takes 6 to 6 positional arguments; this advantage is called with 5"):
+            ADVANTAGES.register("test_untagged")(my_remax)
+    finally:
+        ADVANTAGES._specs.pop("test_my_remax", None)
