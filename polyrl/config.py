@@ -150,7 +150,8 @@ class TrainConfig:
     preference: PreferenceConfig = field(default_factory=PreferenceConfig)
     """offline preference pairs: --preference-file (dpo, kto, ... without generation), TOML table [preference]"""
     max_bad_steps: int = 5
-    """stop after this many consecutive steps with a non-finite loss"""
+    """stop after this many consecutive optimizer steps (minibatch updates) with a non-finite loss or gradient, each
+    skipped"""
     log: LogConfig = field(default_factory=LogConfig)
     """console table and event files: --log-every, --[no-]tensorboard, --[no-]wandb, TOML table [log]"""
 

@@ -15,7 +15,8 @@ class LogConfig:
     PREFIX: ClassVar[str] = "log"
 
     every: int = field(default=10, metadata={"flag": "log_every"})
-    """print the compact console table every N steps"""
+    """print the compact console table every N logged rows (evaluation rows count) and write a few samples to
+    samples.jsonl every N steps; 0: no samples, and one table of every row at the end"""
     tensorboard: bool = field(default=True, metadata={"flag": "tensorboard"})
     """write TensorBoard event files to run_dir/tb"""
     wandb: bool = field(default=False, metadata={"flag": "wandb"})

@@ -133,6 +133,8 @@ def _train(cfg: TrainConfig, method: Method, parts: Components, *, task: Task, m
     console.print(f"[bold]{method.name}[/] on {task.name}: held-out accuracy before = {state.eval_before:.3f}")
 
     monitor = make_monitor(logger.history, state.step) if cfg.guard.enabled else None
+    if monitor is not None and state.step == 0:  # the starting weights, judged healthy by step 0's evaluation: a
+        _save(parts, run, state)  # collapse before the first periodic checkpoint has them to roll back to
     last: dict[str, float] | None = None  # the final evaluation, once made
     started = time.perf_counter()
     steps_done = rollouts = 0
@@ -145,7 +147,7 @@ def _train(cfg: TrainConfig, method: Method, parts: Components, *, task: Task, m
     try:
         with StepProgress(console, "RL step", cfg.steps, completed=state.step) as bar:
             while state.step < cfg.steps:
-                t0 = time.perf_counter()
+                t0, lr = time.perf_counter(), parts.learner.lr  # the lr this step trains at (the schedule moves on)
                 try:
                     metrics = rl_step(cfg, method, state, parts, stream)
                 except RewardError as e:  # one line on the console; the reward function's traceback in the run dir
@@ -159,7 +161,7 @@ def _train(cfg: TrainConfig, method: Method, parts: Components, *, task: Task, m
                 rollouts += int(metrics["rollout/generated"])
                 metrics["perf/step_seconds"] = time.perf_counter() - t0
                 step_seconds += metrics["perf/step_seconds"]
-                metrics["perf/lr"] = parts.learner.lr
+                metrics["perf/lr"] = lr
                 if cfg.eval.every and state.step % cfg.eval.every == 0 and state.step < cfg.steps:
                     metrics.update(parts.evaluate(state.step, state.solved_before)[0])
                 logger.log(state.step, metrics)
@@ -173,8 +175,10 @@ def _train(cfg: TrainConfig, method: Method, parts: Components, *, task: Task, m
                     state = roll_back(run, state, lambda path: _restore(parts, path), parts.learner, base_lr=cfg.lr,
                                       factor=cfg.guard.lr_factor, max_rollbacks=cfg.guard.max_rollbacks,
                                       reason=reason, console=console)
+                    _save(parts, run, state)  # at once: the rollback count and lower lr, which a resume keeps
                     monitor = make_monitor(logger.history, state.step)
                     logger.log(state.step, {"guard/rollbacks": state.rollbacks, "guard/lr": parts.learner.lr})
+
                     bar.update(state.step)
                     continue
                 if cfg.log.every and state.step % cfg.log.every == 0 and state.last_samples:

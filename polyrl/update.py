@@ -228,7 +228,8 @@ def update_policy(learner: Learner, method: Method, s: Scored, counters: UpdateC
     tokens, loss_sum, forward_only, outside_total = totals[-4:].tolist()
     metrics = {k: v / max(1.0, tokens) for k, v in zip(keys, totals[:-4].tolist())}
     metrics["objective/outside_support_frac"] = outside_total / max(1.0, tokens + outside_total)
-    metrics["objective/loss"] = loss_sum / (epochs * minibatches)  # the step loss, averaged over steps
+    if n_steps:  # the step loss, averaged over steps; none when every step was skipped (it logged 0.0)
+        metrics["objective/loss"] = loss_sum / (epochs * minibatches)
     metrics.update({k: v / max(1, n_steps) for k, v in step_sums.items()})
     zero_grad_counts = learner.all_sum(zero_grad_counts)
     if skip_zero_adv != "no":

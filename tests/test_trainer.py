@@ -326,3 +326,52 @@ def test_a_resume_says_when_the_held_out_prompts_changed(tiny_model, tmp_path):
           console=Console(file=out, width=200))
     assert "8 held-out prompts now, 7 when the run started: eval/retained and eval/gained are not logged" in \
         out.getvalue()
+
+
+def test_a_rollback_is_kept_by_a_resume_and_logs_the_learning_rate_it_set(tiny_model, tmp_path, monkeypatch):
+    """The rollback count and the lowered lr lived only in memory until the next periodic save: a run killed after a
+    rollback resumed at the full lr with the count back at 0 (kill/resume never reached guard_max_rollbacks); and
+    guard/lr logged the lr from before the rollback."""
+    import polyrl.guard as guard_mod
+    from polyrl.checkpoint import latest_checkpoint
+
+    monkeypatch.setattr(guard_mod, "CollapseMonitor", _collapse_once(lambda step, metrics: step == 3))
+    cfg = _cfg(steps=3, guard=True, checkpoint_every=2, guard_lr_factor=0.5, lr=1e-3)
+
+    class Killed(Exception):
+        pass
+
+    real_log = guard_mod.make_monitor
+    calls = []
+
+    def stop_after_rollback(history, step):  # the first call builds the monitor; the second follows the rollback
+        calls.append(step)
+        if len(calls) == 2:
+            raise Killed
+        return real_log(history, step)
+
+    monkeypatch.setattr("polyrl.trainer.make_monitor", stop_after_rollback)
+    with pytest.raises(Killed):
+        train(cfg, get_method("grpo"), model_dir=tiny_model, task=_task(), run_dir=str(tmp_path), console=QUIET)
+    monkeypatch.setattr("polyrl.trainer.make_monitor", real_log)
+    saved = torch.load(latest_checkpoint(tmp_path) / "trainer_state.pt", weights_only=False)
+    assert saved["state"]["step"] == 2 and saved["state"]["rollbacks"] == 1, saved["state"]
+    assert saved["scheduler"]["base_lrs"] == [pytest.approx(0.5e-3)]  # the lower lr, which the resume keeps
+
+
+def test_the_guard_can_roll_back_to_the_start_and_perf_lr_is_the_steps_own(tiny_model, tmp_path, monkeypatch):
+    """No checkpoint before the first periodic one: a collapse at the first evaluation stopped the run with "no
+    checkpoint to roll back to" and nothing saved; perf/lr was the next step's lr (one warm-up step ahead)."""
+    import polyrl.guard as guard_mod
+
+    monkeypatch.setattr(guard_mod, "CollapseMonitor", _collapse_once(lambda step, metrics: step == 2))
+    cfg = _cfg(steps=3, guard=True, checkpoint_every=50, guard_lr_factor=0.5, lr=1e-3, warmup_steps=4)
+    train(cfg, get_method("grpo"), model_dir=tiny_model, task=_task(), run_dir=str(tmp_path), console=QUIET)
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    guard = [r for r in rows if "guard/rollbacks" in r]
+    assert len(guard) == 1 and guard[0]["step"] == 0
+    trained = [r for r in rows if "perf/lr" in r]
+    assert [r["step"] for r in trained] == [1, 2, 1, 2, 3]
+    assert trained[0]["perf/lr"] == pytest.approx(1e-3 / 5)  # step 1 trains at lambda(0) = 1/5 of the warm-up
+    assert trained[2]["perf/lr"] == pytest.approx(0.5e-3 / 5)  # the run again from step 0, at half the lr
+    assert guard[0]["guard/lr"] == pytest.approx(0.5e-3 / 5)  # the lr the rollback set, not the one before it

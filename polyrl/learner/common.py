@@ -65,6 +65,7 @@ def set_base_lr(optimizer: torch.optim.Optimizer, scheduler: Any, lr: float) -> 
     scheduler.base_lrs = [lr for _ in scheduler.base_lrs]
     for group in optimizer.param_groups:
         group["lr"] = lr * ratio
+    scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]  # what get_last_lr() (guard/lr) reads
 
 
 def reference_logp(reference: nn.Module | None, ref_sync_every: int, batch: TokenBatch, samples: list,
