@@ -35,18 +35,23 @@ class GuardConfig:
     """the guard stops the run after this many rollbacks"""
 
 
-def make_monitor(history: list[dict[str, float]], up_to: int) -> CollapseMonitor:
-    """A collapse monitor that has seen every logged row of the live history up to ``up_to``, as the offline analysis
-    does: a rollback to step r (its row of guard/* alone) discards the rows after r logged before it, the branch it
-    left. (Replaying that branch's collapse would latch the monitor, and no later collapse would be caught.)"""
+def live_rows(history: list[dict[str, float]]) -> list[dict[str, float]]:
+    """The rows of the branch that survived, as the offline analysis reads them: a rollback to step r (its row of
+    guard/* alone) discards the rows after r logged before it, the branch it left."""
     live: list[dict[str, float]] = []
     for row in history:
         if all(k == "step" or k.startswith("guard/") for k in row):
             live = [r for r in live if r["step"] <= row["step"]]
         else:
             live.append(row)
+    return live
+
+
+def make_monitor(history: list[dict[str, float]], up_to: int) -> CollapseMonitor:
+    """A collapse monitor that has seen every row of the live history up to ``up_to`` (``live_rows``): replaying the
+    branch a rollback left would latch the monitor, and no later collapse would be caught."""
     monitor = CollapseMonitor(CollapseRule())
-    for row in live:
+    for row in live_rows(history):
         if row["step"] <= up_to:
             monitor.update(row["step"], row)
     return monitor

@@ -140,6 +140,22 @@ class RunLogger:
             for s in samples:
                 f.write(json.dumps({"step": step, **s}) + "\n")
 
+    def rewind(self, step: int) -> None:
+        """A rollback to ``step``: TensorBoard hides the events after it (written by the branch left, about to be
+        redone) and samples.jsonl drops that branch's rows; metrics.jsonl keeps them, as the record of what ran (its
+        readers skip a rolled-back branch: guard.live_rows, lab.analysis.read_rows)."""
+        if not self.enabled:
+            return
+        if self._tb is not None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb.close()
+            self._tb = SummaryWriter(str(self.run_dir / "tb"), purge_step=step + 1)
+        path = self.run_dir / "samples.jsonl"
+        if path.exists():
+            kept = [line for line in path.read_text().splitlines(keepends=True) if json.loads(line)["step"] <= step]
+            path.write_text("".join(kept))
+
     def close(self) -> None:
         if not self.enabled:
             return

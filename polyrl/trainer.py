@@ -27,7 +27,7 @@ from polyrl.batch import TokenBatch, segment_ids
 from polyrl.checkpoint import latest_checkpoint, remove_partial_saves, set_aside_newer
 from polyrl.config import TrainConfig, to_dict
 from polyrl.errors import RewardError
-from polyrl.guard import make_monitor, roll_back
+from polyrl.guard import live_rows, make_monitor, roll_back
 from polyrl.logging import RunLogger, StepProgress, peak_rss_mb, plot_curves, write_summary
 from polyrl.objectives import Method
 from polyrl.objectives.controller import Controller
@@ -176,6 +176,7 @@ def _train(cfg: TrainConfig, method: Method, parts: Components, *, task: Task, m
                                       factor=cfg.guard.lr_factor, max_rollbacks=cfg.guard.max_rollbacks,
                                       reason=reason, console=console)
                     _save(parts, run, state)  # at once: the rollback count and lower lr, which a resume keeps
+                    logger.rewind(state.step)
                     monitor = make_monitor(logger.history, state.step)
                     logger.log(state.step, {"guard/rollbacks": state.rollbacks, "guard/lr": parts.learner.lr})
 
@@ -204,7 +205,7 @@ def _train(cfg: TrainConfig, method: Method, parts: Components, *, task: Task, m
     }
     if parts.writes:
         write_summary(run, summary)
-        plot_curves(logger.history, run / "curves.png")
+        plot_curves(live_rows(logger.history), run / "curves.png")  # without a branch a rollback left
     return summary
 
 

@@ -375,3 +375,27 @@ def test_the_guard_can_roll_back_to_the_start_and_perf_lr_is_the_steps_own(tiny_
     assert trained[0]["perf/lr"] == pytest.approx(1e-3 / 5)  # step 1 trains at lambda(0) = 1/5 of the warm-up
     assert trained[2]["perf/lr"] == pytest.approx(0.5e-3 / 5)  # the run again from step 0, at half the lr
     assert guard[0]["guard/lr"] == pytest.approx(0.5e-3 / 5)  # the lr the rollback set, not the one before it
+
+
+def test_a_rollback_leaves_only_the_surviving_branch_in_tensorboard_samples_and_curves(tiny_model, tmp_path,
+                                                                                      monkeypatch):
+    """TensorBoard, samples.jsonl and curves.png kept the branch a rollback left (step 3 three times in TensorBoard, a
+    zig-zag in the plot); metrics.jsonl keeps it as the record, which its readers skip."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    import polyrl.guard as guard_mod
+
+    monkeypatch.setattr(guard_mod, "CollapseMonitor", _collapse_once(lambda step, metrics: step == 3))
+    plotted = []
+    monkeypatch.setattr("polyrl.trainer.plot_curves", lambda rows, path: plotted.append(rows))
+    cfg = _cfg(steps=5, guard=True, checkpoint_every=2, tensorboard=True, log_every=1)
+    train(cfg, get_method("grpo"), model_dir=tiny_model, task=_task(), run_dir=str(tmp_path), console=QUIET)
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("reward/mean")] == [1, 2, 3, 4, 5]
+    samples = [json.loads(line)["step"] for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    per_step = {step: samples.count(step) for step in samples}
+    assert sorted(per_step) == [1, 2, 3, 4, 5] and len(set(per_step.values())) == 1, per_step  # step 3 once
+    assert [r["step"] for r in plotted[0] if "reward/mean" in r] == [1, 2, 3, 4, 5]
+    logged = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert logged.count(3) > 1  # the record keeps the branch left
