@@ -58,15 +58,23 @@ def make_monitor(history: list[dict[str, float]], up_to: int) -> CollapseMonitor
 
 
 def roll_back(run: Path, state: TrainState, restore: Callable[[Path], TrainState], learner: Learner, *,
-              base_lr: float, factor: float, max_rollbacks: int, reason: str, console: Console) -> TrainState:
-    """Restore the newest checkpoint (saved while the run was healthy) and scale the learning rate down.
+              history: list[dict[str, float]], base_lr: float, factor: float, max_rollbacks: int, reason: str,
+              console: Console) -> TrainState:
+    """Restore the newest checkpoint the run was judged healthy at and scale the learning rate down.
 
-    ``restore(path)`` loads a checkpoint into the learner and the rollout source and returns the loop's state;
-    the learning rate becomes ``base_lr * factor ** rollbacks``; more than ``max_rollbacks`` stop the run.
+    Judged healthy: saved at or before the last evaluation before the collapse (``history``'s live rows), which the
+    monitor passed; a newer checkpoint was never evaluated (rolling back to it again and again could not escape a
+    collapse it already held). A run that has not evaluated since step 0, or kept no checkpoint that old: the newest
+    (every row it logged was judged on entropy and KL). ``restore(path)`` loads a checkpoint into the learner
+    and the rollout source and returns the loop's state; the learning rate becomes ``base_lr * factor **
+    rollbacks``; more than ``max_rollbacks`` stop the run.
     """
-    from polyrl.checkpoint import latest_checkpoint  # torch: only when a rollback happens
+    from polyrl.checkpoint import checkpoint_step, latest_checkpoint, list_checkpoints  # torch: only when needed
 
-    ck = latest_checkpoint(run)
+    evaluated = [r["step"] for r in live_rows(history) if "eval/accuracy" in r and 0 < r["step"] < state.step]
+    healthy = [p for p in list_checkpoints(run) if (p / "meta.json").exists()
+               and evaluated and checkpoint_step(p) <= max(evaluated)]
+    ck = healthy[-1] if healthy else latest_checkpoint(run)
     if ck is None or state.rollbacks >= max_rollbacks:
         raise TrainingError(f"collapse at step {state.step} ({reason}) and "
                             + ("no checkpoint to roll back to" if ck is None else

@@ -172,7 +172,8 @@ def _train(cfg: TrainConfig, method: Method, parts: Components, *, task: Task, m
                 reason = monitor.update(state.step, metrics) if monitor is not None else None
                 if reason is not None:  # --guard: back to the last good checkpoint with a lower learning rate
                     last = None
-                    state = roll_back(run, state, lambda path: _restore(parts, path), parts.learner, base_lr=cfg.lr,
+                    state = roll_back(run, state, lambda path: _restore(parts, path), parts.learner,
+                                      history=logger.history, base_lr=cfg.lr,
                                       factor=cfg.guard.lr_factor, max_rollbacks=cfg.guard.max_rollbacks,
                                       reason=reason, console=console)
                     _save(parts, run, state)  # at once: the rollback count and lower lr, which a resume keeps

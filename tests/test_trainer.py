@@ -399,3 +399,15 @@ def test_a_rollback_leaves_only_the_surviving_branch_in_tensorboard_samples_and_
     assert [r["step"] for r in plotted[0] if "reward/mean" in r] == [1, 2, 3, 4, 5]
     logged = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert logged.count(3) > 1  # the record keeps the branch left
+
+
+def test_the_guard_rolls_back_to_a_checkpoint_an_evaluation_passed(tiny_model, tmp_path, monkeypatch):
+    """It took the newest checkpoint: saved after the last evaluation, never judged, it may already hold the collapse
+    (three rollbacks in a row went to the same unevaluated step 6 while step 4, evaluated healthy, was on disk)."""
+    import polyrl.guard as guard_mod
+
+    monkeypatch.setattr(guard_mod, "CollapseMonitor", _collapse_once(lambda step, metrics: step == 8))
+    cfg = _cfg(steps=9, guard=True, checkpoint_every=2, eval_every=4, eval_prompts=4)
+    train(cfg, get_method("grpo"), model_dir=tiny_model, task=_task(), run_dir=str(tmp_path), console=QUIET)
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "guard/rollbacks" in r] == [4]  # evaluated at 4; 6 never was
