@@ -152,9 +152,10 @@ class RunLogger:
             self._tb.close()
             self._tb = SummaryWriter(str(self.run_dir / "tb"), purge_step=step + 1)
         path = self.run_dir / "samples.jsonl"
-        if path.exists():
+        if path.exists():  # written whole, then swapped in: a kill meanwhile leaves the old file
             kept = [line for line in path.read_text().splitlines(keepends=True) if json.loads(line)["step"] <= step]
-            path.write_text("".join(kept))
+            (tmp := path.with_name(path.name + ".tmp")).write_text("".join(kept))
+            tmp.replace(path)
 
     def close(self) -> None:
         if not self.enabled:

@@ -147,7 +147,7 @@ def _train(cfg: TrainConfig, method: Method, parts: Components, *, task: Task, m
     try:
         with StepProgress(console, "RL step", cfg.steps, completed=state.step) as bar:
             while state.step < cfg.steps:
-                t0, lr = time.perf_counter(), parts.learner.lr  # the lr this step trains at (the schedule moves on)
+                t0, lr = time.perf_counter(), parts.learner.lr  # the lr of the step's first update (not the next's)
                 try:
                     metrics = rl_step(cfg, method, state, parts, stream)
                 except RewardError as e:  # one line on the console; the reward function's traceback in the run dir
@@ -176,6 +176,8 @@ def _train(cfg: TrainConfig, method: Method, parts: Components, *, task: Task, m
                                       history=logger.history, base_lr=cfg.lr,
                                       factor=cfg.guard.lr_factor, max_rollbacks=cfg.guard.max_rollbacks,
                                       reason=reason, console=console)
+                    if parts.writes:  # the branch left: no resume, export or later rollback may pick it up
+                        set_aside_newer(run, state.step)
                     _save(parts, run, state)  # at once: the rollback count and lower lr, which a resume keeps
                     logger.rewind(state.step)
                     monitor = make_monitor(logger.history, state.step)

@@ -411,3 +411,31 @@ def test_the_guard_rolls_back_to_a_checkpoint_an_evaluation_passed(tiny_model, t
     train(cfg, get_method("grpo"), model_dir=tiny_model, task=_task(), run_dir=str(tmp_path), console=QUIET)
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "guard/rollbacks" in r] == [4]  # evaluated at 4; 6 never was
+    # the branch left is set aside: no resume, export or later rollback picks up its step 6 (the new branch saved its
+    # own step 6 since)
+    assert (tmp_path / "checkpoints" / "superseded_step_000006").is_dir()
+
+
+def test_a_second_rollback_never_goes_forward_onto_a_branch_left_before(tiny_model, tmp_path, monkeypatch):
+    """A collapse at 7 rolled back to 3; a second, at 4 of the new branch with no evaluation since 3, fell back to the
+    newest checkpoint on disk: step 6 of the branch left, so the run went on from weights it had abandoned."""
+    import polyrl.guard as guard_mod
+
+    fired = []
+
+    class Twice:
+        def __init__(self, rule):
+            pass
+
+        def update(self, step, metrics):
+            due = {0: 7, 1: 4}.get(len(fired))
+            if step == due:
+                fired.append(step)
+                return "eval/accuracy fell below half its best"
+            return None
+
+    monkeypatch.setattr(guard_mod, "CollapseMonitor", Twice)
+    cfg = _cfg(steps=9, guard=True, checkpoint_every=3, eval_every=4, eval_prompts=4)
+    train(cfg, get_method("grpo"), model_dir=tiny_model, task=_task(), run_dir=str(tmp_path), console=QUIET)
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "guard/rollbacks" in r] == [3, 3]  # back to 3 both times, never to 6
