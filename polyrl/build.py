@@ -322,20 +322,14 @@ def _channel_weights(cfg: TrainConfig, method, notes: list[str]):
     return override(method, advantage=f"{spec.name}:weights={given}")
 
 
-def plugin_names(given: list[str]) -> list[str]:
-    """The --plugin modules as a run records them: a .py file by its absolute path, a module by its name."""
-    return [str(Path(m).resolve()) if m.endswith(".py") else m for m in given]
-
-
 def _check_plugins(run_dir: str, given: list[str]) -> None:
     """Refuse a resume without a --plugin the run was trained with: its parts would be unknown (the message said
     "unknown trust_region 'mine' (did you mean 'clip'?)", as if the run had a typo)."""
+    from polyrl.plugins import plugin_key
     from polyrl.runs import CONFIG, saved_record
 
-    def known(m: str) -> str:  # a file by its name (a run copied elsewhere, its plugin too), a module by its last part
-        return Path(m).stem if m.endswith(".py") else m.rpartition(".")[2]
-
-    missing = [m for m in (saved_record(run_dir) or {}).get("plugins", []) if known(m) not in map(known, given)]
+    missing = [m for m in (saved_record(run_dir) or {}).get("plugins", [])
+               if plugin_key(m) not in map(plugin_key, given)]
     if missing:
         flags = " ".join(f"--plugin {m}" for m in missing)
         raise ConfigError(f"run_dir = {run_dir!r} was trained with {flags} ({run_dir}/{CONFIG}); resume it with "

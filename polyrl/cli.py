@@ -29,11 +29,11 @@ from polyrl.build import (
     add_train_args,
     method_from_overrides,
     part_changes,
-    plugin_names,
     resolve_train,
 )
 from polyrl.config import ConfigError
 from polyrl.errors import CheckpointError, RewardError, Terminated, TrainingError
+from polyrl.plugins import plugin_names
 from polyrl.registry import ALL_REGISTRIES, PartError, unknown
 from polyrl.runs import files_line
 

@@ -101,7 +101,6 @@ def check_combinations(cfg: TrainConfig, method, task):
             f"method {method.name!r} has no group filter that could drop a group"
         raise ConfigError(f"max_gen_rounds = {cfg.max_gen_rounds} has no effect: {why} (it bounds the refill "
                           "rounds of dynamic sampling)")
-    from polyrl.registry import TRUST_REGIONS
     from polyrl.rollout.preference_data import preference_problem
 
     problem = preference_problem(method, vars(flat(cfg)), vars(flat(default)),

@@ -71,10 +71,11 @@ def roll_back(run: Path, state: TrainState, restore: Callable[[Path], TrainState
     """
     from polyrl.checkpoint import checkpoint_step, list_checkpoints  # torch: only when a rollback happens
 
-    evaluated = [r["step"] for r in live_rows(history) if "eval/accuracy" in r and 0 < r["step"] < state.step]
+    passed = max((r["step"] for r in live_rows(history) if "eval/accuracy" in r and 0 < r["step"] < state.step),
+                 default=None)  # the last evaluation before the collapse
     saved = [p for p in list_checkpoints(run) if (p / "meta.json").exists() and checkpoint_step(p) <= state.step]
-    healthy = [p for p in saved if evaluated and checkpoint_step(p) <= max(evaluated)]
-    ck = healthy[-1] if healthy else (saved[-1] if saved else None)  # never forward, onto a branch left before
+    healthy = [p for p in saved if passed is not None and checkpoint_step(p) <= passed]
+    ck = (healthy or saved or [None])[-1]  # never forward, onto a branch left before
     if ck is None or state.rollbacks >= max_rollbacks:
         raise TrainingError(f"collapse at step {state.step} ({reason}) and "
                             + ("no checkpoint to roll back to" if ck is None else

@@ -50,6 +50,18 @@ def import_module_or_file(name: str) -> ModuleType:
         raise _exited(name, e) from None
 
 
+def plugin_names(given: list[str]) -> list[str]:
+    """The --plugin modules as a run records them and passes them on: a .py file by its absolute path, a module by
+    its name."""
+    return [str(Path(m).resolve()) if m.endswith(".py") else m for m in given]
+
+
+def plugin_key(name: str) -> str:
+    """What identifies a plugin wherever it lies: a file by its stem (a run copied elsewhere, its plugin too), a
+    module by its last part (``pkg.my_parts`` and ``my_parts.py`` are the same plugin)."""
+    return Path(name).stem if name.endswith(".py") else name.rpartition(".")[2]
+
+
 def _exited(name: str, e: SystemExit) -> ImportError:
     """A module that calls ``sys.exit`` while it loads would end the whole command silently: an import error instead."""
     return ImportError(f"{name!r} called sys.exit({e.code!r}) while it was imported")

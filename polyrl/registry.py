@@ -107,7 +107,10 @@ def add_preset(table: dict[str, Callable[[], Any]], fn: Callable[[], Any], kind:
     summary = " ".join((fn.__doc__ or "").split())
 
     def build() -> Any:
-        built = fn()
+        try:
+            built = fn()
+        except PartError as e:  # a plugin's preset: say which, and where (built-in ones always build)
+            raise PartError(f"{kind} {name!r} ({where}): {e}") from None
         if built.name != name:
             raise PartError(f"{kind} {name!r} ({where}) builds a method named {built.name!r}; name it {name!r}, as "
                             "--method looks it up by the preset's name")

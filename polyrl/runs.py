@@ -233,9 +233,9 @@ def drop_replaced(aside: Path | None) -> None:
     if aside is None or not aside.is_dir() or aside.is_symlink():
         return
     doomed = _deleting(aside)
-    _remove(doomed)
+    remove_path(doomed)
     aside.rename(doomed)
-    _remove(doomed)
+    remove_path(doomed)
 
 
 def run_started(run_dir: str | Path, existing: Collection[str] = ()) -> bool:
@@ -278,7 +278,7 @@ def recover_replaced(run_dir: str | Path) -> str | None:
     line when it holds something else. Returns a line saying what was done, or None when there was nothing to do."""
     aside, run = aside_path(run_dir), Path(run_dir)
     try:
-        _remove(_deleting(aside))  # an old run whose deletion was interrupted
+        remove_path(_deleting(aside))  # an old run whose deletion was interrupted
         if not aside.is_dir() or aside.is_symlink():
             return None
         if not run_started(run):
@@ -294,7 +294,8 @@ def recover_replaced(run_dir: str | Path) -> str | None:
                           f"which cannot be put back or deleted ({e.strerror or e}); move it by hand") from None
 
 
-def _remove(path: Path) -> None:
+def remove_path(path: Path) -> None:
+    """Delete a file, a symlink or a folder with what it holds; nothing there: nothing to do."""
     import shutil
 
     if path.is_symlink() or path.is_file():

@@ -44,3 +44,9 @@ def check_workers(workers: int) -> None:
     """Refuse ``workers < 1`` (ValueError, one line) instead of clamping it: a clamped value is silently ignored."""
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         raise ValueError(f"workers = {workers!r} is not allowed; allowed: an integer >= 1")
+
+
+def last_line(text: str) -> str:
+    """The last non-empty line of a failed command's stderr (its one-line error), at most 400 characters."""
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    return lines[-1][-400:] if lines else "no message"

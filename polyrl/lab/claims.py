@@ -20,7 +20,7 @@ import numpy as np
 from polyrl.errors import TrainingError
 from polyrl.lab import verdicts
 from polyrl.lab.asymptote import failed_fits, fit_curves, paired_asymptote, seed_asymptote
-from polyrl.lab.claim_types import Budget, Claim, Samples
+from polyrl.lab.claim_types import Budget, Claim, Samples, last_line
 
 CLAIMS: dict[str, Claim] = {}
 QUICK, FULL = Budget(2, 15), Budget(3, 100)
@@ -101,8 +101,6 @@ def lm_arms(out: Path, budget: Budget, workers: int, arms: dict[str, tuple[str, 
         built = subprocess.run([sys.executable, "-m", "polyrl", "warmstart", "--task", task],
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         if built.returncode:
-            from polyrl.lab.claims_families import last_line
-
             raise TrainingError(f"polyrl warmstart --task {task} failed (rc {built.returncode}): "
                                 f"{last_line(built.stderr)}")
     if specs:

@@ -21,7 +21,7 @@ from typing import Any
 
 from polyrl.errors import TrainingError
 from polyrl.lab import verdicts
-from polyrl.lab.claim_types import Budget, Claim, check_workers
+from polyrl.lab.claim_types import Budget, Claim, check_workers, last_line
 
 Samples = dict[str, Any]
 _ORDER = {"does not hold at this scale": 0, "inconclusive": 1, "holds partly": 2, "holds": 3}
@@ -39,12 +39,6 @@ def _weakest(parts: list[tuple[verdicts.Effect, float | None]]) -> verdicts.Deci
     i = min(range(len(decided)), key=lambda j: _ORDER[decided[j][0].verdict])
     _, effect, claimed = decided[i]
     return verdicts.decide(effect, claimed=claimed, also=tuple(e for j, (_, e, _) in enumerate(decided) if j != i))
-
-
-def last_line(text: str) -> str:
-    """The last non-empty line of a failed command's stderr (its one-line error), at most 400 characters."""
-    lines = [line for line in text.strip().splitlines() if line.strip()]
-    return lines[-1][-400:] if lines else "no message"
 
 
 def _polyrl(args: list[str], out: Path) -> dict[str, Any]:

@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import argparse
 import math
-import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn
 
 from polyrl.config import ConfigError
 from polyrl.errors import FLOAT32_MAX, FLOAT32_TINY
-from polyrl.runs import max_threads
+from polyrl.runs import max_threads, remove_path
 
 RESULTS = "results.json"
 REPORT = "report.html"
@@ -131,18 +130,11 @@ def settle_out(out: Path) -> bool:
     aside.sort(key=lambda entry: entry[0] == RESULTS)  # results.json back last: while hidden, no run counts as finished
     for name, path in aside:
         if finished:
-            _delete(path)
+            remove_path(path)
         else:
-            _delete(out / name)  # what the stopped run wrote there (a folder cannot be replaced while it holds files)
+            remove_path(out / name)  # what the stopped run wrote there (a folder holding files cannot be replaced)
             path.replace(out / name)
     return not finished
-
-
-def _delete(path: Path) -> None:
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path)
-    else:
-        path.unlink(missing_ok=True)
 
 
 def settings(args: argparse.Namespace, drop: tuple[str, ...] = ()) -> dict:

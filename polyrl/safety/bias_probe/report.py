@@ -134,22 +134,22 @@ def verdict(results: dict, args) -> tuple[str, dict[str, Any]]:
               "max_rel_dev_finite_group_flow": float(fg_dev) if np.isfinite(fg_dev) else None}
     unreached = (f" that reached onset ({censored} of {len(a['bandit'])} cells had no median onset within --max-steps "
                  f"{args.max_steps})" if censored else "")
+    word = ("reproduced" if in_ci == len(spec_rows) else
+            f"reproduced within 10%, though {len(spec_rows) - in_ci} cell(s) fall outside the 20-seed range"
+            if max_dev <= 0.10 else "NOT reproduced")
     if spec_rows:
         spec_part = (f"Bandit vs the spec's table ({n_sim} seeds per cell): the spec's 20-seed median lies inside the "
                      f"90% range of a 20-seed median drawn from our onsets in {in_ci}/{len(spec_rows)} cells; largest "
-                     f"relative difference of our median from the spec's {max_dev:.0%} ({{word}}).")
+                     f"relative difference of our median from the spec's {max_dev:.0%} ({word}).")
     else:
         spec = a["spec_bandit"]
         spec_part = (f"Bandit vs the spec's table: not compared; its medians are for K = {spec['options']}, G = "
                      f"{spec['group']}, lr {spec['sim_lr']:g} and this run has K = {args.options}, G = {args.group}, "
                      f"lr {args.sim_lr:g}.")
-    word = ("reproduced" if in_ci == len(spec_rows) else
-            f"reproduced within 10%, though {len(spec_rows) - in_ci} cell(s) fall outside the 20-seed range"
-            if max_dev <= 0.10 else "NOT reproduced")
     parts = [
         f"Closed form vs ODE: max relative error {max_rel:.1e} over both variants and 4 p0 "
         f"({'within' if max_rel < 1e-6 else 'NOT within'} 1e-6).",
-        spec_part.format(word=word),
+        spec_part,
         f"Median onset {'decreases' if mono else 'does NOT decrease'} monotonically as p0 rises (both variants); "
         f"a larger KL coefficient {'delays (never speeds up)' if kl_mono else 'does NOT consistently delay'} "
         "onset at p0 = 0.05.",
